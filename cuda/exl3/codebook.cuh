@@ -1,0 +1,31 @@
+// EXL3 codebooks: a 16-bit trellis state -> one fp16 weight (docs: exl3-format.md section 3).
+// Bit-exact with twinspark.exl3.reference.decode; all integer math mod 2^32.
+#pragma once
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace twinspark {
+namespace exl3 {
+
+enum Codebook : int { kCb3inst = 0, kCbMcg = 1, kCbMul1 = 2 };
+
+template <int CB>
+__device__ __forceinline__ half decode_state(uint32_t s) {
+  if constexpr (CB == kCbMul1) {
+    const uint32_t x = s * 0x83DCD12Du;
+    // Sum of the four bytes with one instruction: dot of the byte vector with (1,1,1,1).
+    const uint32_t b = __dp4a(x, 0x01010101u, 0u);
+    const half h = __ushort_as_half(static_cast<unsigned short>(0x6400u + b));  // 1024 + b, exact
+    // One fp16 FMA: a single rounding, as the spec requires ((b - 510) * k is NOT bit-identical).
+    return __hfma(h, __ushort_as_half(0x1EEE), __ushort_as_half(0xC931));
+  } else {
+    uint32_t x = (CB == kCbMcg) ? s * 0xCBAC1FEDu : s * 89226354u + 64248484u;
+    x = (x & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    // Sum of two fp16 values rounded once: __hadd rounds the exact sum.
+    return __hadd(__ushort_as_half(static_cast<unsigned short>(x & 0xFFFFu)),
+                  __ushort_as_half(static_cast<unsigned short>(x >> 16)));
+  }
+}
+
+}  // namespace exl3
+}  // namespace twinspark
