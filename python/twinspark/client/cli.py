@@ -1,0 +1,220 @@
+"""What the client tasks of tasks.py run (smoke, bench, budget, forecast, pi-install, fabric, template-parity):
+flag parsing into library calls and printing. Each function returns the process exit status; a user-caused
+error raises ``Failed`` with one sentence (tasks.py turns it into ``invoke.Exit``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from twinspark.client.http import Api, ClientError, resolve_api_key
+from twinspark.safetensors_io import SafetensorsError
+
+GiB = 1 << 30
+
+
+class Failed(Exception):
+    """One sentence for the user; no traceback."""
+
+
+def _ints(text: str | None, what: str) -> list[int]:
+    try:
+        return [int(x) for x in str(text).replace(" ", "").split(",") if x]
+    except ValueError:
+        raise Failed(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _size(text: str | int | None, what: str) -> int | None:
+    """'2.5GiB', '2684354560', '800MiB' -> bytes."""
+    if text is None or text == "":
+        return None
+    s = str(text).strip().lower().replace(" ", "")
+    mult = 1
+    for suffix, m in (("gib", GiB), ("mib", 1 << 20), ("kib", 1 << 10), ("gb", 10**9), ("mb", 10**6), ("g", GiB)):
+        if s.endswith(suffix):
+            s, mult = s[: -len(suffix)], m
+            break
+    try:
+        return int(float(s) * mult)
+    except ValueError:
+        raise Failed(f"{what} must be a size like 2.5GiB or a byte count, got {text!r}") from None
+
+
+def endpoint(url: str | None, recipe: str | None = None) -> tuple[str, Path | None]:
+    """--url, else http://HEAD_IP:API_PORT of the deploy config; and the API key file in its state dir."""
+    try:
+        from twinspark.deploy import apikey, config
+
+        s, _ = config.load({"recipe": recipe} if recipe else {})
+        return url or f"http://{s.head_ip}:{s.api_port}", apikey.key_path(s.state_dir)
+    except Exception as e:  # noqa: BLE001 - any config problem: an explicit --url still works
+        if url:
+            return url, None
+        raise Failed(f"no --url given and the deploy config cannot say where the server is ({e}); pass --url") from None
+
+
+def _api(url, api_key, recipe) -> Api:
+    u, key_file = endpoint(url, recipe)
+    return Api(u, api_key=resolve_api_key(api_key, key_file))
+
+
+def smoke(url=None, api_key=None, tool_choice="auto", image=None, recipe=None) -> int:
+    from rich.console import Console
+
+    from twinspark.client import smoke as sm
+
+    try:
+        with _api(url, api_key, recipe) as api:
+            checks = sm.run(api, tool_choice=tool_choice, image=image)
+            title = f"smoke: {api.model} at {api.root}"
+    except ClientError as e:
+        raise Failed(str(e)) from None
+    Console().print(sm.table(checks, title))
+    return 0 if sm.passed(checks) else 1
+
+
+def bench(url=None, api_key=None, lengths="1024,8192,32768", kinds="prose,code", concurrency="1,2,4",
+          decode_tokens=256, decode_prompt_tokens=256, out="bench/results/serve", compare=None,
+          no_vllm_extensions=False, recipe=None) -> int:
+    from twinspark.client import bench as bn
+    from twinspark.client import benchreport
+
+    s = bn.Settings(prefill_lengths=_ints(lengths, "--lengths"), kinds=[k for k in kinds.split(",") if k],
+                    concurrency=_ints(concurrency, "--concurrency"), decode_tokens=int(decode_tokens),
+                    decode_prompt_tokens=int(decode_prompt_tokens), vllm_extensions=not no_vllm_extensions)
+    try:
+        previous = benchreport.load(compare) if compare else None
+        with _api(url, api_key, recipe) as api:
+            doc = bn.run(api, s)
+    except ClientError as e:
+        raise Failed(str(e)) from None
+    stem = "bench-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    paths = benchreport.save(doc, Path(out), stem)
+    print(benchreport.markdown(doc))
+    if previous is not None:
+        print(f"Change against {compare}:\n")
+        print(benchreport.compare(doc, previous))
+    print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _budget(model_dir, tp, kv_bytes, kv_token_bytes, max_model_len, engram_dir, mem_available_gib, kv_dtype):
+    from twinspark.client import budget as bg
+
+    try:
+        return bg.analyze(model_dir, tp=int(tp), kv_bytes=_size(kv_bytes, "--kv-bytes"), kv_dtype=kv_dtype,
+                          kv_token_override=float(kv_token_bytes) if kv_token_bytes else None,
+                          max_model_len=int(max_model_len), engram_dir=engram_dir,
+                          mem_available=int(float(mem_available_gib) * GiB) if mem_available_gib else None)
+    except SafetensorsError as e:
+        raise Failed(str(e)) from None
+
+
+def budget(model_dir, tp=2, kv_bytes="2.5GiB", kv_token_bytes=None, max_model_len=600_000, engram_dir=None,
+           mem_available_gib=None, kv_dtype="fp8_ds_mla", with_forecast=False) -> int:
+    from twinspark.client import budget as bg
+
+    b = _budget(model_dir, tp, kv_bytes, kv_token_bytes, max_model_len, engram_dir, mem_available_gib, kv_dtype)
+    print(bg.report(b))
+    if with_forecast:
+        from twinspark.client import forecast as fc
+
+        print()
+        print(fc.report(fc.forecast(b), b))
+    return 0 if b.context_fits and (b.mem_after_boot is None or b.mem_after_boot >= 0) else 1
+
+
+def forecast(model_dir, tp=2, overhead_ms=0.0, gb10_gbps=273.0, decode_results=None, moe_results=None) -> int:
+    from twinspark import benchkit as bk
+    from twinspark.client import forecast as fc
+
+    b = _budget(model_dir, tp, "2.5GiB", None, 600_000, None, 0, "fp8_ds_mla")
+    try:
+        f = fc.forecast(b, overhead_ms=float(overhead_ms), gb10_gbps=float(gb10_gbps),
+                        decode_results=Path(decode_results) if decode_results else None,
+                        moe_results=Path(moe_results) if moe_results else None)
+    except bk.BenchError as e:
+        raise Failed(str(e)) from None
+    print(fc.report(f, b))
+    return 0
+
+
+def pi_install(url, model=None, config_dir=None, key_env="TWINSPARK_API_KEY", enable=False, default=False,
+               context_window=600_000, max_tokens=32_768, dry_run=False, api_key=None) -> int:
+    from twinspark.client import pi
+
+    if not model:
+        try:
+            with Api(url, api_key=resolve_api_key(api_key)) as api:
+                model = api.model
+        except ClientError as e:
+            raise Failed(f"cannot ask {url} for its model id ({e}); pass --model") from None
+    try:
+        out = pi.install(url, model, config=config_dir, key_env=key_env, enable=enable, default=default,
+                         context_window=int(context_window), max_tokens=int(max_tokens), dry_run=dry_run)
+    except ClientError as e:
+        raise Failed(str(e)) from None
+    verb = "would write" if dry_run else "wrote"
+    for p in out.written:
+        print(f"{verb} {p}")
+    for p in out.backups:
+        print(f"backup  {p}")
+    for p in out.unchanged:
+        print(f"unchanged {p}")
+    print(f"Pi reads the key from ${key_env} at request time; export it before starting pi.")
+    return 0
+
+
+def fabric(sysfs_root="/sys", as_json=False, role="head", both=False, recipe=None) -> int:
+    from twinspark.deploy import fabric as fb
+
+    if both:
+        return _fabric_both(fb, sysfs_root, recipe)
+    f = fb.detect(sysfs_root)
+    if as_json:
+        print(f.to_json())
+        return 0
+    print(fb.render(f))
+    try:
+        settings = fb.node_settings(f, role)
+    except fb.FabricError as e:
+        raise Failed(str(e)) from None
+    for k, v in settings.items():
+        print(f"{k}={v}")
+    return 0
+
+
+def _fabric_both(fb, sysfs_root, recipe) -> int:
+    """Head (local shell) and worker (deploy's SSH) detections, then the settings of both nodes."""
+    from twinspark.deploy import config, hosts
+    from twinspark.deploy.errors import DeployError
+
+    try:
+        s, _ = config.load({"recipe": recipe} if recipe else {})
+        found = {}
+        for h in hosts.make_hosts(s):
+            found[h.name] = fb.detect_host(lambda cmd, h=h: h.run(cmd, changes=False, what="fabric snapshot").stdout,
+                                           sysfs_root)
+            print(f"== {h.name} ({h.ip})\n{fb.render(found[h.name])}\n")
+        pair = fb.choose_pair(found["head"], found["worker"])
+    except (DeployError, fb.FabricError) as e:
+        raise Failed(str(e)) from None
+    for k, v in pair.items():
+        print(f"{k}={v}")
+    return 0
+
+
+def template_parity(original=None, script=None, function="encode_messages", url=None, api_key=None, template=None,
+                    thinking_key="enable_thinking", effort_key="reasoning_effort", recipe=None) -> int:
+    from twinspark.client import template_parity as tp
+
+    if url is None and template is None:
+        url, key_file = endpoint(None, recipe)
+        api_key = resolve_api_key(api_key, key_file)
+    try:
+        p = tp.check(original, script=script, function=function, url=url, api_key=api_key, template=template,
+                     thinking_key=thinking_key, effort_key=effort_key)
+    except ClientError as e:
+        raise Failed(str(e)) from None
+    print(tp.report(p))
+    return 0 if p.ok or p.skipped else 1

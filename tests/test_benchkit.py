@@ -1,0 +1,290 @@
+"""benchkit: the pure-Python parts on the CPU; the timing and ceiling parts on a CUDA GPU (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from twinspark import benchkit as bk
+
+REPO = Path(__file__).resolve().parents[1]
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (timing with CUDA events)")
+
+
+def _anchors_md() -> Path | None:
+    for p in (REPO / "docs" / "anchors-h200.md", REPO.parent / "shared" / "docs" / "anchors-h200.md"):
+        if p.is_file():
+            return p
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ pure Python
+def test_timing_statistics():
+    t = bk.Timing((5.0, 1.0, 3.0, 100.0))
+    assert t.median_us == 4.0
+    assert t.min_us == 1.0
+    assert float(t) == 4.0
+    assert t.spread == pytest.approx(99.0 / 4.0)
+
+
+def test_rotate_reaches_total_and_counts_tensor_bytes():
+    made = []
+
+    def make():
+        w = torch.empty(1000, dtype=torch.float16)  # 2000 bytes
+        made.append(w)
+        return (w, {"s": torch.empty(10, dtype=torch.float32)}, 3)  # + 40 bytes; the int counts nothing
+
+    ring = bk.rotate(make, total_bytes=10_000)
+    assert len(ring) == 5 == len(made)  # 4 x 2040 < 10000 <= 5 x 2040
+    assert ring.bytes_per_set == 2040 and ring.total_bytes == 10_200
+    assert all(isinstance(a, tuple) for a in ring)
+    assert ring[0][0] is made[0] and ring[4][0] is made[4]
+
+
+def test_rotate_wraps_single_tensor_and_custom_nbytes():
+    ring = bk.rotate(lambda: torch.empty(4, dtype=torch.uint8), total_bytes=100, nbytes=lambda a: 50)
+    assert len(ring) == 2 and isinstance(ring[0], tuple)
+    one = bk.rotate(lambda: torch.empty(4096, dtype=torch.uint8), total_bytes=1)
+    assert len(one) == 1  # at least one set even when one already exceeds the total
+
+
+def test_rotate_rejects_empty_sets():
+    with pytest.raises(bk.BenchError, match="no tensor bytes"):
+        bk.rotate(lambda: (1, 2), total_bytes=10)
+    with pytest.raises(bk.BenchError, match="argument sets hold only"):
+        bk.rotate(lambda: torch.empty(1, dtype=torch.uint8), total_bytes=10_000, max_sets=10)
+
+
+def test_gbps():
+    assert bk.gbps(4260e9 * 1e-6, 1.0) == pytest.approx(4260.0)  # 4.26 MB in 1 us = 4260 GB/s
+
+
+def test_record_derived_values_and_validation():
+    r = bk.Record(op="exl3_gemm", shape={"k": 5120, "n": 1152, "K": 3, "m": 1}, timing=bk.Timing((9.0, 10.0, 11.0)),
+                  bytes=2_000_000, anchor_us=17.4)
+    assert r.median_us == 10.0 and r.samples_us == [9.0, 10.0, 11.0]
+    assert r.gbps == pytest.approx(200.0)
+    assert r.vs_anchor == pytest.approx(1.74)
+    with pytest.raises(bk.BenchError, match="give timing= or median_us="):
+        bk.Record(op="x", shape={})
+    with pytest.raises(bk.BenchError, match="shape dict"):
+        bk.Record(op="x", shape=[1], median_us=1.0)
+
+
+def test_write_results_roundtrip(tmp_path):
+    recs = [bk.Record(op="moe", shape={"K": 3, "T": 1}, median_us=50.0, bytes=10**6, anchor_us=69.6),
+            bk.Record(op="moe", shape={"K": 3, "T": 4}, timing=bk.Timing((1.0, 2.0, 3.0)))]
+    p = bk.write_results("moe", recs, tmp_path / "res", ceilings={"copy_gbps": 4000.0})
+    assert p == tmp_path / "res" / "moe.json"
+    assert [x.name for x in p.parent.iterdir()] == ["moe.json"]  # no temp file left behind
+    raw = json.loads(p.read_text())
+    assert raw["machine"]["torch"] == torch.__version__ and "date" in raw["machine"] and "gpu" in raw["machine"]
+    assert raw["records"][0]["gbps"] == pytest.approx(20.0) and raw["records"][1]["gbps"] is None
+    back = bk.load_results(p)
+    assert back["ceilings"] == {"copy_gbps": 4000.0}
+    assert back["records"][0].vs_anchor == pytest.approx(69.6 / 50.0)
+    assert back["records"][1].samples_us == [1.0, 2.0, 3.0]
+    with pytest.raises(bk.BenchError, match="plain name"):
+        bk.write_results("a/b", recs, tmp_path)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(bk.BenchError, match="not a benchkit results file"):
+        bk.load_results(tmp_path / "bad.json")
+
+
+def test_anchor_lookups():
+    a = bk.load_anchors()
+    assert a.ceilings == bk.Ceilings(4260.0, 739.0)
+    assert a.gemm(k=5120, n=12288, K=3, m=64).upstream_us == 80.6
+    assert a.gemm(k=1152, n=5120, K=2, m=1).upstream_us == 11.3
+    assert a.gemm(k=1152, n=5120, K=5, m=1) is None
+    assert a.dense(k=5120, n=1152, m=64).us == 9.2
+    assert a.moe(K=4, T=8) == bk.MoeAnchor(K=4, T=8, us=384.1, path="cooperative")
+    assert a.moe(K=2, T=512).path == "fused_full"
+    assert a.moe_mgemm(K=3, tokens=4).layer_us == 315.5
+    assert a.engram(rows=65536).gbps == 311.0
+    assert a.moe_shape == {"experts": 384, "hidden": 5120, "intermediate": 1152, "top_k": 6}
+    assert a.moe_distinct_experts[4] == 23.6
+    # Complete grid: 5 shapes x 3 K x 4 m, dense at m=1 and m=64 for each shape.
+    assert len(a.gemm_rows) == 60 and len(a.dense_rows) == 10 and len(a.moe_rows) == 15
+
+
+def test_anchors_match_the_markdown():
+    md = _anchors_md()
+    if md is None:
+        pytest.skip("docs/anchors-h200.md is not in this checkout (nor ../shared/docs); nothing to compare")
+    a = bk.load_anchors()
+    text = md.read_text()
+    seen = 0
+    for line in text.splitlines():
+        m = re.match(r"\| (\d+)x(\d+) \| (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", line)
+        if m:
+            k, n, K = int(m[1]), int(m[2]), int(m[3])
+            for mm, v in zip((1, 4, 16, 64), m.groups()[3:7]):
+                assert a.gemm(k=k, n=n, K=K, m=mm).upstream_us == float(v), line
+            assert a.dense(k=k, n=n, m=1).us == float(m[8]) and a.dense(k=k, n=n, m=64).us == float(m[9]), line
+            seen += 1
+        m = re.match(r"\| (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| (\d+) \|$", line)
+        if m:
+            K = int(m[1])
+            for T, v in zip((1, 4, 8, 32, 512), m.groups()[1:]):
+                assert a.moe(K=K, T=T).us == float(v), line
+            seen += 1
+        m = re.match(r"\| (\d) \| (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", line)
+        if m:
+            r = a.moe_mgemm(K=int(m[1]), tokens=int(m[2]))
+            assert (r.gate_up_us, r.down_us, r.layer_us) == tuple(map(float, m.groups()[2:])), line
+            seen += 1
+        m = re.match(r"\| (\d+) \| ([\d.]+) \| (\d+) \|$", line)
+        if m:
+            r = a.engram(rows=int(m[1]))
+            assert (r.us, r.gbps) == (float(m[2]), float(m[3])), line
+            seen += 1
+    assert seen == 15 + 3 + 6 + 2
+    assert "copy 4260 GB/s" in text and "739 TFLOP/s" in text
+
+
+def test_load_anchors_errors(tmp_path):
+    with pytest.raises(bk.BenchError, match="cannot read the anchors file"):
+        bk.load_anchors(tmp_path / "missing.json")
+    doc = json.loads(bk.ANCHORS_PATH.read_text())
+    doc["gemm"][3]["m"] = "four"
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    with pytest.raises(bk.BenchError, match=r"gemm\[3\]\.m = 'four' is not a int"):
+        bk.load_anchors(tmp_path / "a.json")
+    del doc["ceilings"]
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    with pytest.raises(bk.BenchError, match="lacks the entry 'ceilings'"):
+        bk.load_anchors(tmp_path / "b.json")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
+def test_gpu_functions_say_no_gpu():
+    with pytest.raises(bk.BenchError, match="no CUDA GPU"):
+        bk.time_cuda(lambda: None)
+    with pytest.raises(bk.BenchError, match="no CUDA GPU"):
+        bk.copy_ceiling_gbps()
+    with pytest.raises(bk.BenchError, match="with setup= every call is timed alone"):
+        bk.time_cuda(lambda: None, setup=lambda: None, calls_per_sample=4)
+
+
+# ------------------------------------------------------------------------------------------------- GPU parts
+@pytest.mark.gpu
+@GPU
+def test_time_cuda_measures_gpu_time_and_rotates():
+    x = torch.randn(4096, 4096, device="cuda")
+    small = bk.time_cuda(lambda: x.add_(1.0), warmup=2, iters=5)
+    big = bk.time_cuda(lambda: torch.mm(x, x), warmup=2, iters=5)
+    assert len(small.samples_us) == 5 and all(s > 0 for s in small.samples_us)
+    assert big.median_us > small.median_us  # 137 GFLOP vs 64 MB of elementwise work
+    # Host time between launches is not GPU time: a 2 ms host pause before a tiny kernel must not be counted.
+    tiny = torch.zeros(16, device="cuda")
+    paused = bk.time_cuda(lambda: (time.sleep(0.002), tiny.add_(1.0)), warmup=2, iters=5, calls_per_sample=1)
+    assert paused.median_us < 500, paused
+    # One event pair per call costs more than a pass of back-to-back calls (event overhead, ~2 us on the H200).
+    zero = bk.time_cuda(lambda: tiny.add_(1.0), iters=7, calls_per_sample=64)
+    one = bk.time_cuda(lambda: tiny.add_(1.0), iters=7, calls_per_sample=1)
+    assert zero.median_us < one.median_us
+    seen = []
+    ring = bk.rotate(lambda: (torch.empty(1 << 20, device="cuda"),), total_bytes=3 << 22)
+    bk.time_cuda(lambda w: seen.append(w.data_ptr()), args=ring, warmup=1, iters=5)
+    ptrs = [a[0].data_ptr() for a in ring]
+    assert seen == [ptrs[i % 3] for i in range(1 + 5 * 3)]  # one warm-up call, then 5 passes over the ring
+    order = []
+    bk.time_cuda(lambda: order.append("call"), setup=lambda: order.append("setup"), warmup=1, iters=2)
+    assert order == ["setup", "call"] * 3
+
+
+@pytest.mark.gpu
+@GPU
+def test_ceilings_are_plausible():
+    copy = bk.copy_ceiling_gbps()
+    assert 50 < copy < 20_000  # GB10 ~ 250, H200 ~ 4300
+    assert bk.copy_ceiling_gbps() == copy  # cached: one measurement per run
+    dense = bk.bf16_dense_us(1, 5120, 1152)
+    assert 1.0 < dense < 10_000
+    # 11.8 MB of weights cannot be read faster than the whole copy ceiling (read + write counted) allows.
+    assert dense >= bk.gbps(5120 * 1152 * 2, 1.0) / copy * 0.5
+
+
+# ------------------------------------------------------------------------------------------------ bench/run.py
+def _run_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_discovers_by_prefix_and_glob(tmp_path):
+    run = _run_module()
+    for n in ("bench_exl3_gemm.py", "bench_exl3_moe.py", "bench_engram_gather.py", "helper.py"):
+        (tmp_path / n).write_text("")
+    names = lambda fs: [f.name for f in fs]  # noqa: E731
+    assert names(run.discover(tmp_path, [])) == ["bench_engram_gather.py", "bench_exl3_gemm.py", "bench_exl3_moe.py"]
+    assert names(run.discover(tmp_path, ["exl3"])) == ["bench_exl3_gemm.py", "bench_exl3_moe.py"]
+    assert names(run.discover(tmp_path, ["bench_engram"])) == ["bench_engram_gather.py"]
+    assert names(run.discover(tmp_path, ["*moe"])) == ["bench_exl3_moe.py"]
+    assert run.discover(tmp_path, ["nothing"]) == []
+
+
+def test_report_only_builds_markdown_and_png(tmp_path):
+    run = _run_module()
+    a = bk.load_anchors()
+    up = a.gemm(k=5120, n=1152, K=3, m=1).upstream_us
+    recs = [bk.Record(op="exl3_gemm", shape={"k": 5120, "n": 1152, "K": 3, "m": 1}, median_us=up / 2,
+                      bytes=2_250_000, anchor_us=up, dense_us=8.4),
+            bk.Record(op="exl3_gemm", shape={"k": 5120, "n": 1152, "K": 3, "m": 64}, median_us=50.0)]
+    bk.write_results("exl3_gemm", recs, tmp_path, ceilings={"copy_gbps": 4000.0},
+                     machine={"gpu": "NVIDIA H200", "torch": "x", "cuda": "13.0", "date": "d"})
+    assert run.main(["--report-only", "--out-dir", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    # 2.25 MB in 8.7 us = 259 GB/s = 6.5 % of 4000 GB/s; twice as fast as upstream.
+    assert "| exl3_gemm | k=5120 n=1152 K=3 m=1 | twinspark | 8.7 | 259 | 6.5 | 17.4 | 2.00 | 8.4 |" in md
+    assert "| exl3_gemm | k=5120 n=1152 K=3 m=64 | twinspark | 50.0 | - | - | - | - | - |" in md
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.json").write_text("[]")  # not a benchkit file: named in the report, not a crash
+    assert run.main(["--report-only", "--out-dir", str(tmp_path)]) == 0
+    assert "**Failed or unreadable:** other.json" in (tmp_path / "report.md").read_text()
+    assert run.main(["--report-only", "--out-dir", str(tmp_path / "empty")]) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only machine says")
+def test_run_without_gpu_says_so_and_fails(tmp_path, capsys):
+    run = _run_module()
+    (tmp_path / "bench_x.py").write_text("raise SystemExit('must not run')\n")
+    assert run.main(["--bench-dir", str(tmp_path), "--out-dir", str(tmp_path / "r")]) == 2
+    assert "no CUDA GPU is visible" in capsys.readouterr().err
+    assert run.main(["--list", "--bench-dir", str(tmp_path)]) == 0
+
+
+@pytest.mark.gpu
+@GPU
+def test_run_end_to_end_on_gpu(tmp_path):
+    """A real benchmark file (bf16 mm as the op) through bench/run.py: results JSON, report.md, report.png."""
+    (tmp_path / "bench_mm.py").write_text(
+        "import torch\nfrom twinspark import benchkit as bk\n"
+        "dev = torch.device('cuda'); copy = bk.copy_ceiling_gbps(dev); a = bk.load_anchors()\n"
+        "recs = []\n"
+        "for m in (1, 64):\n"
+        "    x = torch.randn(m, 5120, device=dev, dtype=torch.bfloat16)\n"
+        "    ring = bk.rotate(lambda: (torch.randn(1152, 5120, device=dev, dtype=torch.bfloat16),))\n"
+        "    t = bk.time_cuda(lambda w: torch.mm(x, w.t()), args=ring)\n"
+        "    recs.append(bk.Record(op='mm', shape={'k': 5120, 'n': 1152, 'm': m}, timing=t, bytes=ring.bytes_per_set,\n"
+        "                          anchor_us=a.dense(k=5120, n=1152, m=m).us, variant='torch'))\n"
+        "bk.write_results('mm', recs, ceilings={'copy_gbps': copy})\n")
+    (tmp_path / "bench_broken.py").write_text("raise SystemExit(3)\n")
+    run = _run_module()
+    out = tmp_path / "res"
+    assert run.main(["--bench-dir", str(tmp_path), "--out-dir", str(out), "mm"]) == 0
+    res = bk.load_results(out / "mm.json")
+    assert [r.shape["m"] for r in res["records"]] == [1, 64] and res["machine"]["gpu"]
+    assert all(0 < r.gbps < res["ceilings"]["copy_gbps"] for r in res["records"])
+    assert "## mm" in (out / "report.md").read_text() and (out / "report.png").is_file()
+    assert run.main(["--bench-dir", str(tmp_path), "--out-dir", str(out), "broken"]) == 1
+    assert "bench_broken.py (exit status 3)" in (out / "report.md").read_text()
