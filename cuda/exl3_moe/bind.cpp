@@ -1,0 +1,64 @@
+#ifdef TWINSPARK_WITH_CUDA
+#include <pybind11/pybind11.h>
+
+#include "common/bind_util.h"
+#include "exl3_moe/exl3_moe.h"
+
+namespace py = pybind11;
+
+void bind_exl3_moe(py::module_& m) {
+  m.def(
+      "exl3_moe_workspace",
+      [](int T, int topk, int H, int I, int max_items, int splitk) {
+        size_t n_int = 0, n_f32 = 0;
+        twinspark::exl3_moe_workspace(T, topk, H, I, max_items, splitk, &n_int, &n_f32);
+        return py::make_tuple(n_int, n_f32);
+      },
+      py::arg("T"), py::arg("topk"), py::arg("H"), py::arg("I"), py::arg("max_items"), py::arg("splitk"),
+      "(int32 elements, float32 elements) of exl3_moe's per-call workspaces");
+  m.def(
+      "exl3_moe",
+      [](std::uintptr_t x, std::uintptr_t ids, std::uintptr_t topk_w, std::uintptr_t trellis, std::uintptr_t offsets,
+         std::uintptr_t words, std::uintptr_t suh13, std::uintptr_t svh13, std::uintptr_t suh2, std::uintptr_t svh2,
+         std::uintptr_t ws_int, std::uintptr_t ws_f32, std::uintptr_t out, int T, int topk, int E, int H, int I,
+         int first_expert, int max_words, int codebook, float limit, bool x_bf16, int mt, int splitk, int max_items,
+         bool fuse_convert, bool small_route, std::uintptr_t stream) {
+        using twinspark::ptr;
+        twinspark::Exl3MoeArgs a{};
+        a.x = ptr<const void>(x);
+        a.ids = ptr<const int32_t>(ids);
+        a.topk_w = ptr<const float>(topk_w);
+        a.trellis = ptr<const int16_t>(trellis);
+        a.offsets = ptr<const int64_t>(offsets);
+        a.words = ptr<const int32_t>(words);
+        a.suh13 = ptr<const void>(suh13);
+        a.svh13 = ptr<const void>(svh13);
+        a.suh2 = ptr<const void>(suh2);
+        a.svh2 = ptr<const void>(svh2);
+        a.ws_int = ptr<int32_t>(ws_int);
+        a.ws_f32 = ptr<float>(ws_f32);
+        a.out = ptr<void>(out);
+        a.T = T;
+        a.topk = topk;
+        a.E = E;
+        a.H = H;
+        a.I = I;
+        a.first_expert = first_expert;
+        a.max_words = max_words;
+        a.codebook = codebook;
+        a.limit = limit;
+        a.x_bf16 = x_bf16;
+        a.mt = mt;
+        a.splitk = splitk;
+        a.max_items = max_items;
+        a.fuse_convert = fuse_convert;
+        a.small_route = small_route;
+        twinspark::check_launch(twinspark::exl3_moe(a, twinspark::stream(stream)), "exl3_moe");
+      },
+      py::arg("x"), py::arg("ids"), py::arg("topk_w"), py::arg("trellis"), py::arg("offsets"), py::arg("words"),
+      py::arg("suh13"), py::arg("svh13"), py::arg("suh2"), py::arg("svh2"), py::arg("ws_int"), py::arg("ws_f32"),
+      py::arg("out"), py::arg("T"), py::arg("topk"), py::arg("E"), py::arg("H"), py::arg("I"), py::arg("first_expert"),
+      py::arg("max_words"), py::arg("codebook"), py::arg("limit"), py::arg("x_bf16"), py::arg("mt"), py::arg("splitk"),
+      py::arg("max_items"), py::arg("fuse_convert"), py::arg("small_route"), py::arg("stream"));
+}
+#endif

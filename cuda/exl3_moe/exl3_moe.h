@@ -1,0 +1,58 @@
+// exl3_moe: one routed-expert MoE layer over EXL3 experts (layout: python/twinspark/moe_layout.py).
+//
+//   out[t] = sum_j w[t, j] * down_e( SiLU(gate_e(x[t])) * up_e(x[t]) ),  e = ids[t, j] - first_expert in [0, E)
+//
+// Contract (checked in Python, re-checked here where cheap):
+//   x        bf16|fp16 [T, H] contiguous          ids      int32 [T, topk] contiguous (global expert ids)
+//   topk_w   fp32 [T, topk] contiguous            out      x's dtype [T, H] contiguous
+//   trellis  int16 flat; offsets int64 [E, 3] (int16 units, multiples of 64); words int32 [E, 3] (16*K or
+//            16*KA+8: K 1..8, 1.5/2.5/3.5); suh13 fp16 [E, 2, H]; svh13 fp16 [E, 2, I]; suh2 fp16 [E, I];
+//            svh2 fp16 [E, H]. H, I multiples of 128; 1 <= topk <= 64; E <= 4000; max_words = max(words).
+//   ws_int / ws_f32: per-call workspaces of exl3_moe_workspace() elements (never shared between calls or streams).
+//   mt (1 or 4): an item is up to 16*mt rows (pairs) of one expert; splitk >= 1 splits gate/up over k
+//   (each part writes its own partial sums; the down kernel adds them); max_items >= the item count of any
+//   routing (the grids' x extent); fuse_convert: the down kernel's last block per 128 columns writes `out`
+//   (else one more small launch); small_route (T*topk <= 64, mt = 1): no routing launch.
+// Launches: decode (small_route + fuse_convert): gate/up, down. Otherwise: route (+ zeroing), gate/up, down,
+// convert. No host sync: capturable in a CUDA graph.
+// fp32 atomics sum the experts of one token, so results may differ in the last fp32 bit from run to run.
+#pragma once
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace twinspark {
+
+struct Exl3MoeArgs {
+  const void* x;
+  const int32_t* ids;
+  const float* topk_w;
+  const int16_t* trellis;
+  const int64_t* offsets;
+  const int32_t* words;
+  const void* suh13;
+  const void* svh13;
+  const void* suh2;
+  const void* svh2;
+  int32_t* ws_int;
+  float* ws_f32;
+  void* out;
+  int T, topk, E, H, I, first_expert, max_words, codebook;
+  float limit;  // < 0: no clamp
+  bool x_bf16;
+  int mt, splitk, max_items;
+  bool fuse_convert;
+  bool small_route;  // T*topk <= 64 and mt == 1: the GEMM blocks route in shared memory (no routing launch)
+};
+
+// Workspace sizes in elements. ws_int: sorted pairs [P], pair ranks [P], items [3 * max_items], item count [1],
+// down-slice counters [H/128]. ws_f32: gate/up partial sums [splitk, P, 2I] then the fp32 output [T, H].
+inline void exl3_moe_workspace(int T, int topk, int H, int I, int max_items, int splitk, size_t* n_int, size_t* n_f32) {
+  const size_t P = static_cast<size_t>(T) * topk;
+  *n_int = 2 * P + 3 * static_cast<size_t>(max_items) + 1 + H / 128;
+  *n_f32 = static_cast<size_t>(splitk) * P * 2 * I + static_cast<size_t>(T) * H;
+}
+
+cudaError_t exl3_moe(const Exl3MoeArgs& args, cudaStream_t stream);
+
+}  // namespace twinspark

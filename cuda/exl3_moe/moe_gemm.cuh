@@ -1,0 +1,418 @@
+// The grouped expert GEMM of exl3_moe, one kernel template for both halves of the layer:
+//
+//   gate/up (DOWN = false): block (item, 128 output columns of gate or up, k-split part). A = rows of x gathered
+//     by token, times suh, 128-point Hadamard, fp16. Output: raw sums (before the output Hadamard) into the
+//     fp32 gate/up buffer [P, 2I] at the pair's row (stores, or fp32 atomics when split over k).
+//   down (DOWN = true): block (item, 128 output columns of down). A = the pair's gate/up sums: output Hadamard,
+//     svh, SiLU(gate) * up (clamped), suh of down, input Hadamard, fp16. Output: Hadamard, svh, times the pair's
+//     routing weight, fp32 atomics into out32 [T, H]; with fuse_convert the last block of each 128 columns
+//     writes them to `out` in x's dtype.
+//
+// An item is up to 16*MT rows (routed pairs) of one expert. Per 128-deep k-block (one Hadamard block) the
+// block stages the 8x8 trellis tiles of its k-block with cp.async (double-buffered) while warps build the next
+// A block; warp w owns output tile column w: it decodes its 8 tiles into registers (B fragments) and runs
+// mma.m16n8k16 against every 16-row group of A. The rate of each expert is read on the device (experts may
+// differ in K); one switch per block picks the decode template.
+// Dynamic shared memory: 2 * 16*MT * 136 fp16 (A) + 2 * 64 tiles * max_words int16 (trellis):
+// MT = 4, K = 8: 67 KB; MT = 1, K <= 4: 25 KB (<= 99 KB: GB10).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "exl3_moe/moe_device.cuh"
+
+namespace twinspark {
+namespace moe {
+
+constexpr int kThreads = 256;  // 8 warps: one per 16-column tile of the block's 128 columns
+constexpr int kAStride = 136;  // fp16 per A row: 128 + 8 padding (ldmatrix rows land on distinct banks)
+constexpr int kCStride = 132;  // fp32 per row of the down epilogue's staging buffer (reuses the A buffers)
+
+struct GemmParams {
+  const void* x;
+  const float* topk_w;
+  const int16_t* trellis;
+  const int64_t* offsets;
+  const int32_t* words;
+  const __half* suh13;
+  const __half* svh13;
+  const __half* suh2;
+  const __half* svh2;
+  const int32_t* ids;     // [P] global expert ids (read by the in-block routing)
+  const int32_t* sorted;  // routing kernel's output (unused with small_route)
+  const int32_t* items;
+  const int32_t* num_items;
+  int32_t* counters;
+  float* gu32;  // [splitk][P][2I]: each k-split part writes its own partial sums (no atomics, no zeroing)
+  float* out32;
+  void* out;
+  int T, topk, H, I, P, E, first_expert;
+  bool small_route;  // P <= 64: every block routes for itself (no routing launch); gate/up zeroes out32
+  float limit;       // < 0: none
+  bool x_bf16;
+  int splitk;
+  bool fuse_convert;
+};
+
+inline size_t gemm_smem_bytes(int mt, int max_words) {
+  return 2 * static_cast<size_t>(16 * mt) * kAStride * 2 + 2 * 64 * static_cast<size_t>(max_words) * 2;
+}
+
+// Rows of out32 [T, 128 columns from col0] -> out in x's dtype. L2 loads (__ldcg): other blocks' atomics.
+__device__ __forceinline__ void convert_columns(const GemmParams& p, int col0) {
+  for (int i = threadIdx.x; i < p.T * 32; i += blockDim.x) {
+    const int t = i >> 5, c = col0 + (i & 31) * 4;
+    const size_t o = static_cast<size_t>(t) * p.H + c;
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(p.out32 + o));
+    if (p.x_bf16) {
+      __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + o);
+      d[0] = __floats2bfloat162_rn(v.x, v.y);
+      d[1] = __floats2bfloat162_rn(v.z, v.w);
+    } else {
+      __half2* d = reinterpret_cast<__half2*>(static_cast<__half*>(p.out) + o);
+      d[0] = __floats2half2_rn(v.x, v.y);
+      d[1] = __floats2half2_rn(v.z, v.w);
+    }
+  }
+}
+
+struct RowTables {
+  int32_t pair[64];
+  int32_t tok[64];
+  float weight[64];
+  int32_t local[64];  // small_route: local expert of each pair, -1 when not on this rank
+  int32_t e, chunk, rcnt, nitems;
+};
+
+// Routing of up to 64 pairs by warp 0 of every block, identical in every block (no launch, no workspace):
+// a pair's rank = earlier pairs of its expert; items are (expert, 16-row chunk), numbered in order of their
+// first pair. Fills rows.{e, rcnt, nitems, pair[]} for item `item`.
+__device__ __forceinline__ void route_small(const GemmParams& p, int item, RowTables& rows) {
+  const int lane = threadIdx.x & 31;
+  int e2[2], rank[2];
+  bool lead[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int q = lane + 32 * h;
+    int e = q < p.P ? p.ids[q] - p.first_expert : -1;
+    if (e < 0 || e >= p.E) e = -1;
+    e2[h] = e;
+    rows.local[q] = e;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int q = lane + 32 * h;
+    int r = 0;
+    for (int j = 0; j < q; ++j) r += rows.local[j] == e2[h];
+    rank[h] = r;
+    lead[h] = e2[h] >= 0 && (r & 15) == 0;
+  }
+  const uint32_t l0 = __ballot_sync(0xffffffffu, lead[0]), l1 = __ballot_sync(0xffffffffu, lead[1]);
+  const uint32_t below = (1u << lane) - 1u;
+  const int id0 = __popc(l0 & below), id1 = __popc(l0) + __popc(l1 & below);
+  if (lane == 0) {
+    rows.nitems = __popc(l0) + __popc(l1);
+    rows.e = -1;
+  }
+  __syncwarp();
+  if (lead[0] && id0 == item) rows.e = e2[0], rows.chunk = rank[0] >> 4;
+  if (lead[1] && id1 == item) rows.e = e2[1], rows.chunk = rank[1] >> 4;
+  __syncwarp();
+  const int ie = rows.e, ic = rows.chunk;
+  int n = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const bool mine = ie >= 0 && e2[h] == ie && (rank[h] >> 4) == ic;
+    if (mine) rows.pair[rank[h] & 15] = lane + 32 * h;
+    n += __popc(__ballot_sync(0xffffffffu, mine));
+  }
+  if (lane == 0) rows.rcnt = n;
+}
+
+// A block of k-block kb for rows [0, 16*MT): fp16 Hadamard-domain activations, zero rows past rcnt.
+template <bool DOWN, int MT>
+__device__ __forceinline__ void produce_a(const GemmParams& p, const RowTables& rows, int rcnt, int e, int mat, int kb,
+                                          __half* a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int col = kb * 128 + lane * 4;
+  for (int r = warp; r < 16 * MT; r += kThreads / 32) {
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r < rcnt) {
+      if constexpr (!DOWN) {
+        const size_t xo = static_cast<size_t>(rows.tok[r]) * p.H + col;
+        const void* xp = p.x_bf16 ? static_cast<const void*>(static_cast<const __nv_bfloat16*>(p.x) + xo)
+                                  : static_cast<const void*>(static_cast<const __half*>(p.x) + xo);
+        float s[4];
+        load4(xp, p.x_bf16, v);
+        load4_half(p.suh13 + (static_cast<size_t>(e) * 2 + mat) * p.H + col, s);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] *= s[q];
+      } else {
+        // Sum the k-split parts of gate and up.
+        const float* g = p.gu32 + static_cast<size_t>(rows.pair[r]) * 2 * p.I + col;
+        float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s = 0; s < p.splitk; ++s, g += static_cast<size_t>(p.P) * 2 * p.I) {
+          const float4 g4 = *reinterpret_cast<const float4*>(g);
+          const float4 u4 = *reinterpret_cast<const float4*>(g + p.I);
+          gv[0] += g4.x, gv[1] += g4.y, gv[2] += g4.z, gv[3] += g4.w;
+          uv[0] += u4.x, uv[1] += u4.y, uv[2] += u4.z, uv[3] += u4.w;
+        }
+        fwht128(gv, lane);
+        fwht128(uv, lane);
+        float sg[4], su[4], sd[4];
+        load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 0) * p.I + col, sg);
+        load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 1) * p.I + col, su);
+        load4_half(p.suh2 + static_cast<size_t>(e) * p.I + col, sd);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          float gq = gv[q] * kRsqrt128 * sg[q], uq = uv[q] * kRsqrt128 * su[q];
+          if (p.limit >= 0.f) {
+            gq = fminf(gq, p.limit);
+            uq = fminf(fmaxf(uq, -p.limit), p.limit);
+          }
+          v[q] = gq / (1.f + __expf(-gq)) * uq * sd[q];
+        }
+      }
+      fwht128(v, lane);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v[q] *= kRsqrt128;
+    }
+    *reinterpret_cast<uint2*>(a + r * kAStride + lane * 4) = pack4_half(v);
+  }
+}
+
+template <int CB, int MT, bool DOWN, int KA, bool HALF>
+__device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
+                                          int mat, int slice, int kb0, int kb1) {
+  constexpr int kW = 16 * KA + (HALF ? 8 : 0);  // int16 per tile
+  constexpr int kRows = 16 * MT;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = DOWN ? p.H : p.I;
+  const int tiles_n = n / 16;
+
+  __half* abuf = reinterpret_cast<__half*>(smem);                           // [2][kRows][kAStride]
+  int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + 2 * kRows * kAStride);  // [2][8 kt][8 nt][kW]
+  const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
+
+  // The 8x8 tiles of k-block kb: 8 k-tile rows, each 8 consecutive tiles = 8*kW int16, 16-byte chunks.
+  auto issue_trellis = [&](int kb, int buf) {
+    const int16_t* src = tr + (static_cast<size_t>(kb) * 8 * tiles_n + slice * 8) * kW;
+    int16_t* dst = tbuf + buf * 64 * kW;
+    for (int i = threadIdx.x; i < 8 * kW; i += kThreads) {
+      const int kt = i / kW, c = i - kt * kW;
+      cp_async16(dst + kt * 8 * kW + c * 8, src + static_cast<size_t>(kt) * tiles_n * kW + c * 8);
+    }
+    cp_async_commit();
+  };
+
+  float acc[MT][2][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mt][h][q] = 0.f;
+
+  const int nkb = kb1 - kb0;
+  issue_trellis(kb0, 0);
+  produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0, abuf);
+  // ldmatrix.x4 row address of this lane: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) = a0a1, a2a3, a4a5, a6a7.
+  const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
+  for (int i = 0; i < nkb; ++i) {
+    cp_async_wait_all();
+    __syncthreads();  // tiles and A of k-block i ready; everyone is done with the other buffers
+    if (i + 1 < nkb) issue_trellis(kb0 + i + 1, (i + 1) & 1);
+    const int16_t* tb = tbuf + (i & 1) * 64 * kW;
+    const __half* ab = abuf + (i & 1) * kRows * kAStride;
+#pragma unroll 2
+    for (int kt = 0; kt < 8; ++kt) {
+      uint32_t b[4];
+      decode_tile<CB, KA, HALF>(reinterpret_cast<const uint32_t*>(tb + (kt * 8 + warp) * kW), lane, b);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt * 16 < rcnt) {
+          uint32_t a[4];
+          ldmatrix_x4(a, ab + (mt * 16 + a_row) * kAStride + kt * 16 + a_col);
+          mma_16816(acc[mt][0], a, b[0], b[1]);
+          mma_16816(acc[mt][1], a, b[2], b[3]);
+        }
+      }
+    }
+    if (i + 1 < nkb) produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0 + i + 1, abuf + ((i + 1) & 1) * kRows * kAStride);
+  }
+
+  // Accumulator fragment: c0,c1 at (row lane/4, cols 2*(lane%4) + {0,1}), c2,c3 at row + 8.
+  const int fr = lane >> 2, fc = 2 * (lane & 3);
+  if constexpr (!DOWN) {
+    float* dst = p.gu32 + static_cast<size_t>(blockIdx.z) * p.P * 2 * p.I + static_cast<size_t>(mat) * p.I +
+                 slice * 128 + warp * 16 + fc;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = mt * 16 + fr + 8 * hr;
+        if (r < rcnt) {
+          float* d = dst + static_cast<size_t>(rows.pair[r]) * 2 * p.I;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2*>(d + h * 8) = make_float2(acc[mt][h][2 * hr], acc[mt][h][2 * hr + 1]);
+        }
+      }
+  } else {
+    __syncthreads();                               // all warps are done reading A: reuse it for the fp32 staging rows
+    float* cbuf = reinterpret_cast<float*>(smem);  // [kRows][kCStride]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = mt * 16 + fr + 8 * hr;
+          *reinterpret_cast<float2*>(cbuf + r * kCStride + warp * 16 + h * 8 + fc) =
+              make_float2(acc[mt][h][2 * hr], acc[mt][h][2 * hr + 1]);
+        }
+    __syncthreads();
+    const int col = slice * 128 + lane * 4;
+    float sv[4];
+    load4_half(p.svh2 + static_cast<size_t>(e) * p.H + col, sv);
+    for (int r = warp; r < rcnt; r += kThreads / 32) {
+      const float4 c4 = *reinterpret_cast<const float4*>(cbuf + r * kCStride + lane * 4);
+      float v[4] = {c4.x, c4.y, c4.z, c4.w};
+      fwht128(v, lane);
+      const float w = rows.weight[r] * kRsqrt128;
+      float* d = p.out32 + static_cast<size_t>(rows.tok[r]) * p.H + col;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) atomicAdd(d + q, v[q] * w * sv[q]);
+    }
+  }
+}
+
+// Rate of expert e's matrix from its words per tile; calls the body decoded for that rate.
+template <int CB, int MT, bool DOWN>
+__device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
+                                              int mat, int slice, int kb0, int kb1) {
+#define TS_MOE_RATE(KA, HALF)                                                        \
+  case 16 * KA + (HALF ? 8 : 0):                                                       \
+    gemm_body<CB, MT, DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, kb0, kb1); \
+    break;
+  switch (p.words[e * 3 + mat]) {
+    TS_MOE_RATE(1, false)
+    TS_MOE_RATE(2, false)
+    TS_MOE_RATE(3, false)
+    TS_MOE_RATE(4, false)
+    TS_MOE_RATE(5, false)
+    TS_MOE_RATE(6, false)
+    TS_MOE_RATE(7, false)
+    TS_MOE_RATE(8, false)
+    TS_MOE_RATE(1, true)
+    TS_MOE_RATE(2, true)
+    TS_MOE_RATE(3, true)
+    default:
+      break;  // not a rate: the layout builder never writes one
+  }
+#undef TS_MOE_RATE
+}
+
+template <int CB, int MT, bool DOWN>
+__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(GemmParams p) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ RowTables rows;
+  const int item = blockIdx.x;
+  if (p.small_route) {
+    if (!DOWN) {
+      // No routing launch zeroes the workspace: gate/up clears out32 (the down kernel's atomics land there) and
+      // the slice counters; the down kernel runs after this one on the stream.
+      const size_t nblocks = static_cast<size_t>(gridDim.x) * gridDim.y * gridDim.z;
+      const size_t b = (static_cast<size_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+      const size_t n4 = static_cast<size_t>(p.T) * p.H / 4;
+      for (size_t i = b * kThreads + threadIdx.x; i < n4; i += nblocks * kThreads)
+        reinterpret_cast<float4*>(p.out32)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (b == 0)
+        for (int c = threadIdx.x; c < p.H / 128; c += kThreads) p.counters[c] = 0;
+    }
+    if (threadIdx.x < 32) route_small(p, item, rows);
+    __syncthreads();
+  }
+  const int nitems = p.small_route ? rows.nitems : *p.num_items;
+  if (item >= nitems) {
+    // No local pair at all: nobody counts the slices, so item 0 writes the (zero) output itself.
+    if (DOWN && p.fuse_convert && nitems == 0 && item == 0) convert_columns(p, blockIdx.y * 128);
+    return;
+  }
+  const int e = p.small_route ? rows.e : p.items[3 * item];
+  const int rcnt = p.small_route ? rows.rcnt : p.items[3 * item + 2];
+  const int rbeg = p.small_route ? 0 : p.items[3 * item + 1];
+  int mat, slice, kb0, kb1;
+  if constexpr (DOWN) {
+    mat = 2;
+    slice = blockIdx.y;
+    kb0 = 0;
+    kb1 = p.I / 128;
+  } else {
+    const int slices = p.I / 128;
+    mat = blockIdx.y / slices;
+    slice = blockIdx.y - mat * slices;
+    const int kbs = p.H / 128, per = (kbs + p.splitk - 1) / p.splitk;
+    kb0 = blockIdx.z * per;
+    kb1 = min(kbs, kb0 + per);
+  }
+  for (int r = threadIdx.x; r < rcnt; r += kThreads) {
+    const int pair = p.small_route ? rows.pair[r] : p.sorted[rbeg + r];
+    rows.pair[r] = pair;
+    rows.tok[r] = pair / p.topk;
+    if (DOWN) rows.weight[r] = p.topk_w[pair];
+  }
+  __syncthreads();
+  if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, kb0, kb1);
+
+  if constexpr (DOWN) {
+    if (p.fuse_convert) {
+      // Last block of this column slice (over all items) converts it: fence so our atomics are visible first.
+      __shared__ bool last;
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) last = atomicAdd(p.counters + blockIdx.y, 1) == nitems - 1;
+      __syncthreads();
+      if (last) {
+        __threadfence();
+        convert_columns(p, blockIdx.y * 128);
+      }
+    }
+  }
+}
+
+// Host side: launch one kernel of the family (defined per codebook in gemm_<codebook>.cu).
+template <int CB>
+cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, cudaStream_t stream);
+
+template <int CB, int MT, bool DOWN>
+cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaStream_t stream) {
+  const size_t smem = gemm_smem_bytes(MT, max_words);
+  auto kernel = moe_gemm_kernel<CB, MT, DOWN>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(max_items, DOWN ? p.H / 128 : 2 * (p.I / 128), DOWN ? 1 : p.splitk);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int CB>
+cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, cudaStream_t stream) {
+  if (mt == 1) {
+    return down ? launch_one<CB, 1, true>(p, max_items, max_words, stream)
+                : launch_one<CB, 1, false>(p, max_items, max_words, stream);
+  }
+  if (mt == 4) {
+    return down ? launch_one<CB, 4, true>(p, max_items, max_words, stream)
+                : launch_one<CB, 4, false>(p, max_items, max_words, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace moe
+}  // namespace twinspark

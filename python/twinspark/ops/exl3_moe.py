@@ -1,0 +1,181 @@
+"""twinspark.ops.exl3_moe: one routed-expert MoE layer over EXL3 experts (gate/up, SiLU * up, down, weighted sum).
+
+The experts are in the stacked layout of ``twinspark.moe_layout`` (read its docstring). The torch op
+``twinspark::exl3_moe`` takes plain tensors and has a fake implementation, so vLLM can trace a MoE method's
+``apply()`` through it; nothing on the traced path reads device data or branches on it.
+
+On a CUDA device the kernels in cuda/exl3_moe/ run: routing on the GPU (no host sync, graph capturable), then
+gate/up as a grouped EXL3 GEMM over (expert, rows) items and down with the weighted sum. Elsewhere (and with
+TWINSPARK_FORCE_REFERENCE=1) the reference in ``twinspark.reference.exl3_moe`` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from twinspark import _ext
+from twinspark.exl3.reference import CODEBOOKS
+from twinspark.moe_layout import Exl3MoeExperts
+from twinspark.reference import exl3_moe as _reference
+
+_X_DTYPES = (torch.bfloat16, torch.float16)
+_ID_DTYPES = (torch.int32, torch.int64)
+ACTIVATIONS = _reference.ACTIVATIONS
+MAX_EXPERTS = 4000  # the routing kernel counts in shared memory
+DECODE_MAX_PAIRS = 64  # T * top_k up to this: decode (2 launches: in-block routing, split-k, fused convert)
+
+
+def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, limit) -> None:
+    # Contract: x bf16|fp16 [T, H] (H = experts.hidden); topk_ids int32|int64 [T, top_k] (global expert ids);
+    # topk_weights float32|bf16|fp16 [T, top_k]; all on experts' device; 1 <= top_k <= 64; activation "silu";
+    # limit None or > 0; at most MAX_EXPERTS experts on this rank. T may be 0.
+    op = "exl3_moe"
+    if not isinstance(experts, Exl3MoeExperts):
+        raise TypeError(f"{op}: expected experts to be a twinspark.moe_layout.Exl3MoeExperts, got {type(experts)}")
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"{op}: expected x to be bfloat16 or float16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != experts.hidden:
+        raise ValueError(f"{op}: expected x to be 2-D [T, {experts.hidden}], got shape {list(x.shape)}")
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"{op}: expected topk_ids to be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or not 1 <= topk_ids.shape[1] <= 64:
+        raise ValueError(f"{op}: expected topk_ids to be [T={x.shape[0]}, top_k] with 1 <= top_k <= 64, got shape "
+                         f"{list(topk_ids.shape)}")
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"{op}: expected topk_weights to be a float tensor, got {topk_weights.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{op}: expected topk_weights to have topk_ids' shape {list(topk_ids.shape)}, got "
+                         f"{list(topk_weights.shape)}")
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != experts.device:
+            raise ValueError(f"{op}: expected {name} on the experts' device {experts.device}, got {t.device}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: expected activation in {ACTIVATIONS}, got {activation!r}")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"{op}: expected limit to be None or > 0, got {limit}")
+    E, hid, inter = experts.num_experts, experts.hidden, experts.inter
+    tables = (("trellis", experts.trellis, torch.int16, None), ("offsets", experts.offsets, torch.int64, (E, 3)),
+              ("words", experts.words, torch.int32, (E, 3)), ("suh13", experts.suh13, torch.float16, (E, 2, hid)),
+              ("svh13", experts.svh13, torch.float16, (E, 2, inter)), ("suh2", experts.suh2, torch.float16, (E, inter)),
+              ("svh2", experts.svh2, torch.float16, (E, hid)))
+    for name, t, dtype, shape in tables:
+        if t.dtype != dtype or (shape is not None and tuple(t.shape) != shape) or not t.is_contiguous():
+            raise ValueError(f"{op}: expected experts.{name} to be contiguous {dtype} of shape {shape or '[total]'}, "
+                             f"got {t.dtype} {list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}; "
+                             f"build experts with twinspark.moe_layout")
+        if t.device != experts.device:
+            raise ValueError(f"{op}: expected experts.{name} on {experts.device}, got {t.device}")
+    if not 16 <= experts.max_words <= 128:
+        raise ValueError(f"{op}: experts.max_words is {experts.max_words}, expected the largest words-per-tile "
+                         f"entry (16..128); build experts with twinspark.moe_layout")
+    if experts.num_experts > MAX_EXPERTS:
+        raise ValueError(f"{op}: at most {MAX_EXPERTS} experts per rank, got {experts.num_experts}; shard the experts "
+                         f"over more ranks (expert parallelism)")
+    if experts.codebook not in CODEBOOKS:
+        raise ValueError(f"{op}: expected experts.codebook in {CODEBOOKS}, got {experts.codebook!r}")
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int) -> dict:
+    """Kernel configuration from shapes only (never from device data): rows per item (16 * mt), gate/up split-k,
+    the bound on items the grids cover, and whether the down kernel converts the output itself."""
+    pairs = T * top_k
+    decode = pairs <= DECODE_MAX_PAIRS
+    # 64-row items once experts average more than 16 rows (prefill); 16-row items otherwise and always in decode
+    mt = 1 if decode or pairs <= 16 * num_experts else 4
+    rows = 16 * mt
+    max_items = max(1, min(pairs, pairs // rows + min(num_experts, pairs)))
+    kblocks = hidden // 128
+    # Decode: split gate/up over k until there are ~4 blocks per SM (memory-level parallelism: each block keeps
+    # one k-block of tiles in flight); each part writes its own partial sums, which the down kernel adds.
+    # (A first guess, not yet tuned on the H200.)
+    blocks = max(1, min(pairs, num_experts)) * 2 * (inter // 128)
+    splitk = max(1, min(kblocks, -(-4 * sms // blocks))) if decode else 1
+    forced = os.environ.get("TWINSPARK_EXL3_MOE_SPLITK", "")  # benchmark sweeps (bench_exl3_moe.py --sweep)
+    if decode and forced:
+        splitk = max(1, min(kblocks, int(forced)))
+    splitk = -(-kblocks // -(-kblocks // splitk))  # no empty part: every part writes its partial sums
+    return dict(mt=mt, splitk=splitk, max_items=max_items, fuse_convert=decode, small_route=decode)
+
+
+def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
+            codebook, limit):
+    T, hidden = x.shape
+    top_k = ids.shape[1]
+    E, inter = svh13.shape[0], svh13.shape[-1]
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    dev = x.device
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index))
+    C = _ext.module()
+    n_int, n_f32 = C.exl3_moe_workspace(T, top_k, hidden, inter, cfg["max_items"], cfg["splitk"])
+    ws_int = torch.empty(n_int, dtype=torch.int32, device=dev)
+    ws_f32 = torch.empty(n_f32, dtype=torch.float32, device=dev)
+    xc = x.contiguous()  # the launch reads these: keep them alive until it is queued
+    ids32 = ids.to(torch.int32).contiguous()
+    w32 = weights.to(torch.float32).contiguous()
+    with torch.cuda.device(index):  # launch on x's device even when another one is current
+        C.exl3_moe(
+            xc.data_ptr(), ids32.data_ptr(), w32.data_ptr(), trellis.data_ptr(), offsets.data_ptr(),
+            words.data_ptr(), suh13.data_ptr(), svh13.data_ptr(), suh2.data_ptr(), svh2.data_ptr(),
+            ws_int.data_ptr(), ws_f32.data_ptr(), out.data_ptr(),
+            T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
+            -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
+            cfg["mt"], cfg["splitk"], cfg["max_items"], cfg["fuse_convert"], cfg["small_route"], _ext.stream_ptr(dev),
+        )
+    return out
+
+
+@torch.library.custom_op("twinspark::exl3_moe", mutates_args=())
+def _exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, trellis: torch.Tensor,
+              offsets: torch.Tensor, words: torch.Tensor, suh13: torch.Tensor, svh13: torch.Tensor,
+              suh2: torch.Tensor, svh2: torch.Tensor, first_expert: int, max_words: int, codebook: str,
+              activation: str, limit: float | None) -> torch.Tensor:
+    if _ext.use_kernel(x):
+        return _kernel(x, topk_ids, topk_weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert,
+                       max_words, codebook, limit)
+    experts = Exl3MoeExperts(trellis, offsets, words, suh13, svh13, suh2, svh2, hidden=suh13.shape[-1],
+                             inter=svh13.shape[-1], codebook=codebook, first_expert=first_expert,
+                             max_words=max_words)
+    return _reference.exl3_moe(x, topk_ids, topk_weights, experts, activation, limit)
+
+
+@_exl3_moe.register_fake
+def _(x, topk_ids, topk_weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
+      codebook, activation, limit):
+    return torch.empty_like(x)
+
+
+def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Exl3MoeExperts,
+             activation: str = "silu", limit: float | None = None) -> torch.Tensor:
+    """One routed-expert MoE layer: ``sum_j w[t, j] * down(SiLU(gate(x[t])) * up(x[t]))`` over this rank's experts.
+
+    Args:
+        x: bf16 or fp16 ``[T, hidden]`` (T may be 0).
+        topk_ids: int32/int64 ``[T, top_k]``, global expert ids (1 <= top_k <= 64). Ids outside
+            ``[experts.first_expert, experts.first_expert + experts.num_experts)`` (other ranks' experts, -1)
+            contribute nothing; a token may list one expert twice (both pairs count).
+        topk_weights: float ``[T, top_k]`` (float32 preferred; others are converted).
+        experts: ``twinspark.moe_layout.Exl3MoeExperts`` (per-expert EXL3 gate/up/down; K may differ).
+        activation: ``"silu"`` (SiLU(gate) * up).
+        limit: optional clamp: gate <= limit, -limit <= up <= limit before the activation.
+    Returns:
+        ``[T, hidden]`` in x's dtype. Under tensor parallelism (intermediate split) this is the rank's partial
+        sum: the caller all-reduces.
+    """
+    _check(x, topk_ids, topk_weights, experts, activation, limit)
+    return _exl3_moe(x, topk_ids, topk_weights, experts.trellis, experts.offsets, experts.words, experts.suh13,
+                     experts.svh13, experts.suh2, experts.svh2, int(experts.first_expert), int(experts.max_words),
+                     experts.codebook, activation, None if limit is None else float(limit))
+
+
+__all__ = ["exl3_moe", "plan_launch"]

@@ -1,0 +1,313 @@
+"""twinspark.ops.exl3_moe: the layout, the reference (against per-pair EXL3 linears), the op on the CPU, and the
+CUDA kernels against the reference (marker gpu: the kernel part skips with a reason without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from twinspark import moe_layout as ml
+from twinspark.exl3 import reference as ref
+from twinspark.exl3.layer import random_layer
+from twinspark.ops import exl3_moe
+from twinspark.ops.exl3_moe import plan_launch
+from twinspark.reference.exl3_moe import exl3_moe as reference_moe
+from twinspark.testing import rel_l2
+
+# bf16 output: one rounding of the result (2^-9 relative, ~1.1e-3 RMS) plus the kernels' fp16 rounding of the
+# Hadamard-transformed activations (~3e-4 each) and fp32 accumulation: 5e-3 leaves room, garbage is ~1.
+TOL = 5e-3
+
+
+def _pair_loop(x, ids, w, layers, first=0, limit=None):
+    """Independent of the reference: per (token, slot), the factored EXL3 linears of exl3.reference."""
+    out = torch.zeros(x.shape[0], layers[0][0].k, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - first
+            if not 0 <= e < len(layers):
+                continue
+            g, u, d = layers[e]
+            xt = x[t: t + 1].float()
+            a = ref.linear(xt, g.trellis, g.suh, g.svh, g.K, g.codebook)
+            b = ref.linear(xt, u.trellis, u.suh, u.svh, u.K, u.codebook)
+            if limit is not None:
+                a, b = a.clamp(max=limit), b.clamp(-limit, limit)
+            h = torch.nn.functional.silu(a) * b
+            out[t] += float(w[t, j]) * ref.linear(h, d.trellis, d.suh, d.svh, d.K, d.codebook)[0].double()
+    return out
+
+
+def _layers(E, H, inter, rates, gen, codebook="mul1"):
+    return [tuple(random_layer(k, n, K, codebook, generator=gen) for (k, n), K in
+                  zip([(H, inter), (H, inter), (inter, H)], rates[e % len(rates)])) for e in range(E)]
+
+
+def _routing(T, top_k, E, gen, first=0, spread=None):
+    spread = E if spread is None else spread
+    ids = torch.stack([torch.randperm(spread, generator=gen)[:top_k] for _ in range(T)]) if T else \
+        torch.zeros(0, top_k, dtype=torch.int64)
+    w = torch.rand(T, top_k, generator=gen) + 0.1
+    return (ids + first).to(torch.int32), (w / w.sum(1, keepdim=True)).float()
+
+
+# ---------------------------------------------------------------- layout
+
+
+def test_layout_round_trip_mixed_rates(gen):
+    layers = _layers(3, 128, 256, [(2, 3, 4), (2.5, 3.5, 1.5), (8, 1, 5)], gen)
+    ex = ml.from_layers(layers)
+    assert ex.num_experts == 3 and ex.hidden == 128 and ex.inter == 256 and ex.max_words == 128
+    assert (ex.offsets % ml.ALIGN == 0).all()
+    assert ex.rates() == [[2.0, 3.0, 4.0], [2.5, 3.5, 1.5], [8.0, 1.0, 5.0]]
+    for e, triple in enumerate(layers):
+        for proj, layer in enumerate(triple):
+            view = ex.layer(e, proj)
+            assert view.K == layer.K and torch.equal(view.trellis, layer.trellis)
+            assert torch.equal(view.suh, layer.suh) and torch.equal(view.svh, layer.svh)
+    # matrices do not overlap
+    spans = sorted((int(ex.offsets[e, p]), ex.matrix_bytes(e, p) // 2) for e in range(3) for p in range(3))
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
+    assert spans[-1][0] + spans[-1][1] <= ex.trellis.numel()
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda g, u, d: (random_layer(128, 128, 3, generator=None), u, d), "is 128x128, the layout expects 128x256"),
+    (lambda g, u, d: (g, random_layer(128, 256, 4), d), "expert 0 up has K=4.0, the layout was planned with K=3.0"),
+    (lambda g, u, d: (g, u, random_layer(256, 128, 3, codebook="mcg")), "uses codebook mcg"),
+    (lambda g, u, d: (g, u, random_layer(256, 128, 3, bias=True)), "has a bias"),
+])
+def test_layout_refuses_mismatches(gen, mutate, message):
+    g, u, d = _layers(1, 128, 256, [(3, 3, 3)], gen)[0]
+    ex = ml.empty([[3, 3, 3]], 128, 256)
+    with pytest.raises(ml.MoeLayoutError, match=message):
+        ml.set_expert(ex, 0, *mutate(g, u, d))
+
+
+def test_layout_refuses_bad_dims_and_rates():
+    with pytest.raises(ml.MoeLayoutError, match="multiples of 128"):
+        ml.empty([[3, 3, 3]], 128, 192)
+    with pytest.raises(ml.MoeLayoutError, match="expert 1 down: K=4.5 is not an EXL3 rate"):
+        ml.plan([[3, 3, 3], [3, 3, 4.5]], 128, 128)
+
+
+def test_tensor_parallel_split_sums_to_the_whole(gen):
+    """Rank outputs of the intermediate split add up to the unsplit layer (the caller's all-reduce)."""
+    H, inter, E, world = 128, 256, 3, 2
+    layers = _layers(E, H, inter, [(3, 2, 4)], gen)
+    x = torch.randn(5, H, generator=gen).bfloat16()
+    ids, w = _routing(5, 2, E, gen)
+    whole = reference_moe(x.float(), ids, w, ml.from_layers(layers)).double()
+    parts = []
+    for rank in range(world):
+        shard = [tuple(ml.shard_intermediate(m, p, rank, world) for p, m in enumerate(t)) for t in layers]
+        assert shard[0][0].n == inter // world and shard[0][2].k == inter // world
+        parts.append(reference_moe(x.float(), ids, w, ml.from_layers(shard)).double())
+    assert rel_l2(parts[0] + parts[1], whole) < 1e-5
+    with pytest.raises(ml.MoeLayoutError, match="does not split into 4 slices of a multiple of 128"):
+        ml.shard_intermediate(layers[0][0], ml.GATE, 0, 4)
+
+
+# ---------------------------------------------------------------- reference and the CPU op
+
+
+@pytest.mark.parametrize(("T", "top_k", "limit"), [(1, 1, None), (3, 2, None), (4, 3, 0.5), (0, 2, None)])
+def test_reference_matches_per_pair_linears(T, top_k, limit, gen):
+    E, H, inter = 4, 128, 256
+    layers = _layers(E, H, inter, [(3, 3, 3), (2, 4, 2.5)], gen)
+    ex = ml.from_layers(layers)
+    x = torch.randn(T, H, generator=gen).float()
+    ids, w = _routing(T, top_k, E, gen)
+    got = reference_moe(x, ids, w, ex, limit=limit)
+    want = _pair_loop(x, ids, w, layers, limit=limit)
+    assert got.shape == (T, H)
+    if T:
+        assert rel_l2(got, want) < 1e-5
+
+
+def test_cpu_op_duplicates_range_and_dtype(gen):
+    """Duplicate ids in a row count twice; ids outside this rank's range (and -1) count nothing."""
+    E, H, inter, first = 3, 128, 128, 5
+    layers = _layers(E, H, inter, [(3, 3, 3)], gen)
+    ex = ml.from_layers(layers, first_expert=first)
+    x = torch.randn(4, H, generator=gen).bfloat16()
+    ids = torch.tensor([[5, 5, 7], [0, 6, -1], [8, 9, 1], [7, 7, 7]], dtype=torch.int64)
+    w = torch.rand(4, 3, generator=gen)
+    got = exl3_moe(x, ids, w, ex)
+    assert got.dtype == torch.bfloat16 and got.shape == (4, H)
+    want = _pair_loop(x, ids, w, layers, first=first)
+    assert rel_l2(got, want) < TOL
+    assert torch.count_nonzero(got[2]) == 0  # no local expert in row 2
+
+
+def test_opcheck_and_fake_tracing(gen):
+    ex = ml.random_experts(3, 128, 128, rates=[(3, 3, 3), (2, 2, 2), (4, 4, 4)], generator=gen)
+    x = torch.randn(2, 128, generator=gen).bfloat16()
+    ids, w = _routing(2, 2, 3, gen)
+    args = (x, ids, w, ex.trellis, ex.offsets, ex.words, ex.suh13, ex.svh13, ex.suh2, ex.svh2, 0, ex.max_words,
+            "mul1", "silu", None)
+    torch.library.opcheck(torch.ops.twinspark.exl3_moe.default, args)
+    # vLLM traces apply(): the wrapper must trace with fake tensors (no .tolist(), no data-dependent branch).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        gm = make_fx(lambda a, b, c: exl3_moe(a, b, c, ex, limit=7.0))(x, ids, w)
+    assert any("twinspark.exl3_moe" in str(n.target) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (lambda x, i, w: (x.float(), i, w), "exl3_moe: expected x to be bfloat16 or float16"),
+    (lambda x, i, w: (x[:, :64], i, w), r"expected x to be 2-D \[T, 128\]"),
+    (lambda x, i, w: (x, i.float(), w), "expected topk_ids to be int32 or int64"),
+    (lambda x, i, w: (x, i[:1], w), r"expected topk_ids to be \[T=2, top_k\]"),
+    (lambda x, i, w: (x, i, w[:, :1]), "expected topk_weights to have topk_ids' shape"),
+])
+def test_bad_inputs(args, message, gen):
+    ex = ml.random_experts(2, 128, 128, generator=gen)
+    x = torch.randn(2, 128, generator=gen).bfloat16()
+    ids, w = _routing(2, 2, 2, gen)
+    with pytest.raises((TypeError, ValueError), match=message):
+        exl3_moe(*args(x, ids, w), ex)
+    with pytest.raises(ValueError, match="expected activation in"):
+        exl3_moe(x, ids, w, ex, activation="gelu")
+
+
+def test_plan_launch_covers_every_item():
+    """The item bound the grids cover is never below the item count of the worst routing: one row on each of
+    min(E, P) experts, the rest stacked into as many extra full items as they fill."""
+    for T in (1, 2, 3, 8, 17, 64, 512, 2048, 8192):
+        for top_k in (1, 6, 8):
+            for E in (1, 3, 384):
+                cfg = plan_launch(T, top_k, E, 5120, 1152, sms=132)
+                P, rows = T * top_k, 16 * cfg["mt"]
+                used = min(E, P)
+                assert cfg["max_items"] >= used + (P - used) // rows, (T, top_k, E, cfg)
+                kbs, s = 5120 // 128, cfg["splitk"]
+                assert 1 <= s <= kbs and (s - 1) * -(-kbs // s) < kbs, "an empty k-split part"
+                assert cfg["mt"] == 1 or P > 64
+
+
+# ---------------------------------------------------------------- kernels (GPU)
+# The reference runs in float32 on float32 copies of the inputs (no rounding of its result), the kernel returns
+# bf16/fp16: TOL covers the kernel's output rounding and its fp16 activations.
+
+
+def _inputs(gen, T, top_k, E, H, first=0, dtype=torch.bfloat16, ids=None):
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    if ids is None:
+        ids, w = _routing(T, top_k, E, gen, first=first)
+    else:
+        w = torch.rand(ids.shape, generator=gen)
+    return x, ids, w
+
+
+def _check_kernel(cuda, ex, exd, x, ids, w, limit=None):
+    # The reference runs on the GPU too (pure torch, quicker than the CPU for these sizes).
+    want = reference_moe(x.float().to(cuda), ids.to(cuda), w.to(cuda), exd, limit=limit).double().cpu()
+    got = exl3_moe(x.to(cuda), ids.to(cuda), w.to(cuda), exd, limit=limit)
+    torch.cuda.synchronize()
+    assert got.dtype == x.dtype and got.shape == x.shape
+    return got.cpu(), want
+
+
+def _gpu_case(cuda, gen, T, top_k, E=16, H=512, inter=256, rates=((3, 3, 3),), first=0, limit=None,
+              dtype=torch.bfloat16, ids=None, codebook="mul1"):
+    ex = ml.random_experts(E, H, inter, rates=[rates[e % len(rates)] for e in range(E)], codebook=codebook,
+                           first_expert=first, generator=gen)
+    x, ids, w = _inputs(gen, T, top_k, E, H, first, dtype, ids)
+    return _check_kernel(cuda, ex, ex.to(cuda), x, ids, w, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 8, 17, 64, 512])
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+def test_kernel_matches_reference(T, top_k, gen, cuda):
+    got, want = _gpu_case(cuda, gen, T, top_k)
+    assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k", [3, 4, 5, 7])
+def test_kernel_other_top_k(top_k, gen, cuda):
+    got, want = _gpu_case(cuda, gen, 5, top_k)
+    assert rel_l2(got, want) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 512, 2048])
+def test_kernel_all_tokens_on_one_expert(T, gen, cuda):
+    """One expert gets every pair: many items of one expert (64-row items from T=512 on)."""
+    got, want = _gpu_case(cuda, gen, T, 1, ids=torch.full((T, 1), 3, dtype=torch.int32))
+    assert rel_l2(got, want) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2, 8, 64, 512])
+def test_kernel_duplicates_and_idle_experts(T, gen, cuda):
+    """Ids repeat inside rows (both pairs count) and most experts get no token."""
+    ids = torch.randint(0, 3, (T, 6), generator=gen, dtype=torch.int32)
+    got, want = _gpu_case(cuda, gen, T, 6, ids=ids)
+    assert rel_l2(got, want) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 64, 512])
+def test_kernel_mixed_rates_limit_fp16(T, gen, cuda):
+    rates = ((2, 3, 4), (2.5, 3.5, 1.5), (4, 4, 2), (5, 6, 8), (1, 7, 3))
+    got, want = _gpu_case(cuda, gen, T, 4, rates=rates, limit=0.8, dtype=torch.float16)
+    assert rel_l2(got, want) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codebook", ["3inst", "mcg"])
+def test_kernel_other_codebooks(codebook, gen, cuda):
+    got, want = _gpu_case(cuda, gen, 6, 3, E=8, H=256, inter=128, rates=((3, 4, 2),), codebook=codebook)
+    assert rel_l2(got, want) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_kernel_expert_range(T, gen, cuda):
+    """This rank holds global experts 32..47 of 64; ids elsewhere (and -1) count nothing."""
+    E, first = 16, 32
+    ids = torch.randint(-1, 64, (T, 6), generator=gen, dtype=torch.int32)
+    ids[0, 0] = first  # at least one local pair
+    got, want = _gpu_case(cuda, gen, T, 6, E=E, first=first, ids=ids)
+    assert rel_l2(got, want) <= TOL
+    got0, _ = _gpu_case(cuda, gen, T, 6, E=E, first=first, ids=torch.full((T, 6), 3, dtype=torch.int32))
+    assert torch.count_nonzero(got0) == 0
+
+
+@pytest.mark.gpu
+def test_kernel_two_streams_and_graph(gen, cuda):
+    """Two streams at once give the results of one; the op captures into a CUDA graph and routes on replay."""
+    E, H, inter = 16, 512, 256
+    ex = ml.random_experts(E, H, inter, rates=(3, 2, 4), generator=gen)
+    exd = ex.to(cuda)
+    small = [t.to(cuda) for t in _inputs(gen, 4, 6, E, H)]  # decode configuration
+    large = [t.to(cuda) for t in _inputs(gen, 300, 6, E, H)]  # prefill configuration
+    a1, b1 = exl3_moe(*small, exd), exl3_moe(*large, exd)
+    torch.cuda.synchronize()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    outs = []
+    for _ in range(20):
+        with torch.cuda.stream(s1):
+            a = exl3_moe(*small, exd)
+        with torch.cuda.stream(s2):
+            b = exl3_moe(*large, exd)
+        outs.append((a, b))
+    torch.cuda.synchronize()
+    for a, b in outs:  # fp32 atomics may sum in another order: equal up to an ulp of the output, not bitwise
+        assert rel_l2(a, a1) < 1e-3 and rel_l2(b, b1) < 1e-3
+    xs, ids_s, ws = (t.clone() for t in small)
+    exl3_moe(xs, ids_s, ws, exd)  # warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = exl3_moe(xs, ids_s, ws, exd)
+    for _ in range(3):  # fresh routing each replay: the graph must route on the device
+        x, ids, w = _inputs(gen, 4, 6, E, H)
+        xs.copy_(x.to(cuda)), ids_s.copy_(ids.to(cuda)), ws.copy_(w.to(cuda))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_l2(out.cpu(), reference_moe(x.float(), ids, w, ex).double()) <= TOL  # CPU reference here
