@@ -1,0 +1,109 @@
+// Decode one lane's 8 trellis positions of a 16x16 tile straight into mma fragment registers (whole rates).
+//
+// Lane L of a warp owns positions 8L..8L+7 (trellis.cuh). Their states are the ring bits
+// [8LK + K - 16, 8LK + 8K) (mod the ring): a window of 16 + 7K <= 72 bits that never spans more than three u32
+// words. A lane reads those three words once per tile (LaneWindow gives their indices, the same for every tile
+// of one rate), shifts them so position 8L starts at bit 0 of the window, and cuts each 16-bit state with
+// compile-time shifts: 1-2 integer ops per state instead of a run-time word/offset computation.
+//
+// Output: four half2 registers, pair p = positions (8L+2p, 8L+2p+1), low half = the even position.
+//   As the B operand of mma.m16n8k16 (A = activations [m, k], B = W_hat tile [k, n]):
+//     n columns 0-7: {pair0, pair1};  n columns 8-15: {pair2, pair3}.
+//   As the A operand (A = W_hat^T tile [n, k], B = activations^T [k, tokens]): {pair0, pair2, pair1, pair3}.
+// Bit-exact with decode_state<CB> (codebook.cuh) and twinspark.exl3.reference.decode.
+// Whole rates K = 1..8 only (half rates have lane-dependent bit counts).
+#pragma once
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "exl3/codebook.cuh"
+
+namespace twinspark {
+namespace exl3 {
+
+template <int K>
+struct LaneWindow {
+  static_assert(K >= 1 && K <= 8, "whole rates 1..8");
+  static constexpr int kWords = 8 * K;  // u32 words per tile
+  static constexpr int kRing = 256 * K;
+  // K = 4 and 8: 8K*L is a multiple of 32, so every lane's window starts at the same bit of its first word and
+  // the states can be cut straight out of the three words (no re-alignment).
+  static constexpr bool kStatic = (8 * K) % 32 == 0;
+  static constexpr int kStaticOff = ((K - 16) % 32 + 32) % 32;
+  int w0, w1, w2, off;
+
+  __device__ __forceinline__ explicit LaneWindow(int lane) {
+    int start = 8 * K * lane + K - 16;
+    if (start < 0) start += kRing;
+    w0 = start >> 5;
+    w1 = (w0 + 1) % kWords;
+    w2 = (w0 + 2) % kWords;
+    off = start & 31;
+  }
+};
+
+// The 16 bits starting BIT bits into the big-endian window a0:a1:a2, as a clean 0..65535 value.
+template <int BIT>
+__device__ __forceinline__ uint32_t take16(uint32_t a0, uint32_t a1, uint32_t a2) {
+  constexpr int q = BIT >> 5, r = BIT & 31;
+  static_assert(q <= 2 && (r <= 16 || q <= 1), "window is three words");
+  const uint32_t hi = q == 0 ? a0 : (q == 1 ? a1 : a2);
+  if constexpr (r == 0) {
+    return hi >> 16;
+  } else if constexpr (r <= 16) {
+    return (hi >> (16 - r)) & 0xFFFFu;
+  } else {
+    const uint32_t lo = q == 0 ? a1 : a2;
+    return __funnelshift_l(lo, hi, r) >> 16;
+  }
+}
+
+// Two states -> one half2 register (low = s0), bit-exact with decode_state<CB> applied to each.
+template <int CB>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t s0, uint32_t s1) {
+  if constexpr (CB == kCbMul1) {
+    const uint32_t x0 = s0 * 0x83DCD12Du, x1 = s1 * 0x83DCD12Du;
+    // byte sum + 0x6400 in one dp4a each: the fp16 bits of 1024 + B
+    const uint32_t h0 = __dp4a(x0, 0x01010101u, 0x6400u);
+    const uint32_t h1 = __dp4a(x1, 0x01010101u, 0x6400u);
+    const uint32_t hh = __byte_perm(h0, h1, 0x5410);
+    const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&hh), __half2half2(__ushort_as_half(0x1EEE)),
+                              __half2half2(__ushort_as_half(0xC931)));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    uint32_t x0 = (CB == kCbMcg) ? s0 * 0xCBAC1FEDu : s0 * 89226354u + 64248484u;
+    uint32_t x1 = (CB == kCbMcg) ? s1 * 0xCBAC1FEDu : s1 * 89226354u + 64248484u;
+    x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    const uint32_t lo = __byte_perm(x0, x1, 0x5410), hi = __byte_perm(x0, x1, 0x7632);
+    const __half2 r = __hadd2(*reinterpret_cast<const __half2*>(&lo), *reinterpret_cast<const __half2*>(&hi));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+
+template <int K, int CB, int BASE, int P>
+__device__ __forceinline__ uint32_t decode_pair_at(uint32_t a0, uint32_t a1, uint32_t a2) {
+  return decode_pair<CB>(take16<BASE + 2 * P * K>(a0, a1, a2), take16<BASE + (2 * P + 1) * K>(a0, a1, a2));
+}
+
+// Decode this lane's 8 positions of one tile. `tile` = the tile's 8K u32 words (shared or global memory).
+template <int K, int CB>
+__device__ __forceinline__ void decode_lane(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&pair)[4]) {
+  const uint32_t w0 = tile[lw.w0], w1 = tile[lw.w1], w2 = tile[lw.w2];
+  uint32_t a0, a1, a2;
+  constexpr int base = LaneWindow<K>::kStatic ? LaneWindow<K>::kStaticOff : 0;
+  if constexpr (LaneWindow<K>::kStatic) {
+    a0 = w0, a1 = w1, a2 = w2;
+  } else {
+    a0 = __funnelshift_l(w1, w0, lw.off);
+    a1 = __funnelshift_l(w2, w1, lw.off);
+    a2 = w2 << lw.off;
+  }
+  pair[0] = decode_pair_at<K, CB, base, 0>(a0, a1, a2);
+  pair[1] = decode_pair_at<K, CB, base, 1>(a0, a1, a2);
+  pair[2] = decode_pair_at<K, CB, base, 2>(a0, a1, a2);
+  pair[3] = decode_pair_at<K, CB, base, 3>(a0, a1, a2);
+}
+
+}  // namespace exl3
+}  // namespace twinspark

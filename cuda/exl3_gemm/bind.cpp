@@ -1,0 +1,81 @@
+#ifdef TWINSPARK_WITH_CUDA
+#include <pybind11/pybind11.h>
+
+#include "common/bind_util.h"
+#include "exl3_gemm/exl3_gemm.h"
+
+namespace py = pybind11;
+
+void bind_exl3_gemm(py::module_& m) {
+  m.def(
+      "exl3_gemm_small",
+      [](std::uintptr_t x, long x_stride, std::uintptr_t trellis, std::uintptr_t suh, std::uintptr_t svh,
+         std::uintptr_t bias, std::uintptr_t out, long out_stride, std::uintptr_t ws, std::uintptr_t counters, int m,
+         int k, int n, int K, int codebook, int groups, int chunks_per_split, int splits, bool bf16,
+         std::uintptr_t stream) {
+        twinspark::Exl3GemmSmallArgs a{};
+        a.x = twinspark::ptr<const void>(x);
+        a.x_stride = x_stride;
+        a.trellis = twinspark::ptr<const int16_t>(trellis);
+        a.suh = twinspark::ptr<const void>(suh);
+        a.svh = twinspark::ptr<const void>(svh);
+        a.bias = twinspark::ptr<const void>(bias);
+        a.out = twinspark::ptr<void>(out);
+        a.out_stride = out_stride;
+        a.ws = twinspark::ptr<float>(ws);
+        a.counters = twinspark::ptr<int>(counters);
+        a.m = m, a.k = k, a.n = n;
+        a.chunks_per_split = chunks_per_split;
+        a.splits = splits;
+        a.bf16 = bf16;
+        twinspark::check_launch(twinspark::exl3_gemm_small(a, K, codebook, groups, twinspark::stream(stream)),
+                                "exl3_gemm");
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("trellis"), py::arg("suh"), py::arg("svh"), py::arg("bias"),
+      py::arg("out"), py::arg("out_stride"), py::arg("ws"), py::arg("counters"), py::arg("m"), py::arg("k"),
+      py::arg("n"), py::arg("K"), py::arg("codebook"), py::arg("groups"), py::arg("chunks_per_split"),
+      py::arg("splits"), py::arg("bf16"), py::arg("stream"));
+  m.def(
+      "exl3_gemm_capture_id",
+      [](std::uintptr_t stream) {
+        unsigned long long id = 0;
+        twinspark::check_launch(twinspark::exl3_gemm_capture_id(twinspark::stream(stream), &id),
+                                "exl3_gemm (capture id)");
+        return id;
+      },
+      py::arg("stream"), "id of the stream's active graph capture, 0 when it is not capturing");
+  m.def(
+      "exl3_gemm_dequant_t",
+      [](std::uintptr_t trellis, int k, int n, int K, int codebook, std::uintptr_t wt, std::uintptr_t stream) {
+        twinspark::check_launch(
+            twinspark::exl3_gemm_dequant_t(twinspark::ptr<const int16_t>(trellis), k, n, K, codebook,
+                                           twinspark::ptr<void>(wt), twinspark::stream(stream)),
+            "exl3_gemm (dequant)");
+      },
+      py::arg("trellis"), py::arg("k"), py::arg("n"), py::arg("K"), py::arg("codebook"), py::arg("wt"),
+      py::arg("stream"));
+  m.def(
+      "exl3_gemm_prep_x",
+      [](std::uintptr_t x, long x_stride, bool bf16, std::uintptr_t suh, int m, int k, std::uintptr_t xh,
+         std::uintptr_t stream) {
+        twinspark::check_launch(
+            twinspark::exl3_gemm_prep_x(twinspark::ptr<const void>(x), x_stride, bf16, twinspark::ptr<const void>(suh),
+                                        m, k, twinspark::ptr<void>(xh), twinspark::stream(stream)),
+            "exl3_gemm (prep_x)");
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("bf16"), py::arg("suh"), py::arg("m"), py::arg("k"), py::arg("xh"),
+      py::arg("stream"));
+  m.def(
+      "exl3_gemm_epilogue",
+      [](std::uintptr_t y, std::uintptr_t svh, std::uintptr_t bias, int m, int n, std::uintptr_t out, long out_stride,
+         bool bf16, std::uintptr_t stream) {
+        twinspark::check_launch(
+            twinspark::exl3_gemm_epilogue(twinspark::ptr<const void>(y), twinspark::ptr<const void>(svh),
+                                          twinspark::ptr<const void>(bias), m, n, twinspark::ptr<void>(out), out_stride,
+                                          bf16, twinspark::stream(stream)),
+            "exl3_gemm (epilogue)");
+      },
+      py::arg("y"), py::arg("svh"), py::arg("bias"), py::arg("m"), py::arg("n"), py::arg("out"), py::arg("out_stride"),
+      py::arg("bf16"), py::arg("stream"));
+}
+#endif

@@ -1,0 +1,132 @@
+// exl3_gemm launchers: the per-rate dispatch of the small-m kernel, and the two helper kernels of the large-m
+// path (x' = H(x ⊙ suh) in fp16 before a dense fp16 matmul on W_hat; Hn, svh and bias after it).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "exl3/hadamard.cuh"
+#include "exl3_gemm/exl3_gemm.h"
+
+namespace twinspark {
+namespace {
+
+// One warp per (row, 128-column block): 8 warps per block.
+__global__ void __launch_bounds__(256)
+    prep_x_kernel(const void* __restrict__ x, long x_stride, bool bf16, const half* __restrict__ suh, int m, int k,
+                  half* __restrict__ xh) {
+  const int lane = threadIdx.x & 31;
+  const long item = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int blocks = k >> 7;
+  if (item >= static_cast<long>(m) * blocks) return;
+  const long row = item / blocks;
+  const int c = static_cast<int>(item - row * blocks);
+  float v[4], s[4];
+  exl3::load4(static_cast<const char*>(x) + (row * x_stride + 128 * c + 4 * lane) * 2, bf16, v);
+  exl3::load4_half(suh + 128 * c + 4 * lane, s);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] *= s[e];
+  exl3::hadamard128_warp(v, lane);
+  exl3::store4(xh + row * k + 128 * c + 4 * lane, false, v);
+}
+
+__global__ void __launch_bounds__(256)
+    epilogue_kernel(const half* __restrict__ y, const half* __restrict__ svh, const half* __restrict__ bias, int m,
+                    int n, void* __restrict__ out, long out_stride, bool bf16) {
+  const int lane = threadIdx.x & 31;
+  const long item = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int blocks = n >> 7;
+  if (item >= static_cast<long>(m) * blocks) return;
+  const long row = item / blocks;
+  const int c = static_cast<int>(item - row * blocks);
+  float v[4], sv[4], bs[4] = {0.f, 0.f, 0.f, 0.f};
+  exl3::load4_half(y + row * n + 128 * c + 4 * lane, v);
+  exl3::load4_half(svh + 128 * c + 4 * lane, sv);
+  if (bias) exl3::load4_half(bias + 128 * c + 4 * lane, bs);
+  exl3::hadamard128_warp(v, lane);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] = v[e] * sv[e] + bs[e];
+  exl3::store4(static_cast<char*>(out) + (row * out_stride + 128 * c + 4 * lane) * 2, bf16, v);
+}
+
+}  // namespace
+
+cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int groups, cudaStream_t stream) {
+  if (a.m < 1 || a.m > 8 * groups || a.k % 128 || a.n % 128 || a.splits < 1 || a.chunks_per_split < 1 ||
+      a.x_stride % 4 || a.out_stride % 4 || (a.splits - 1) * a.chunks_per_split >= a.k / 128) {
+    return cudaErrorInvalidValue;
+  }
+  switch (K) {
+    case 1:
+      return exl3_gemm_small_k1(a, codebook, groups, stream);
+    case 2:
+      return exl3_gemm_small_k2(a, codebook, groups, stream);
+    case 3:
+      return exl3_gemm_small_k3(a, codebook, groups, stream);
+    case 4:
+      return exl3_gemm_small_k4(a, codebook, groups, stream);
+    case 5:
+      return exl3_gemm_small_k5(a, codebook, groups, stream);
+    case 6:
+      return exl3_gemm_small_k6(a, codebook, groups, stream);
+    case 7:
+      return exl3_gemm_small_k7(a, codebook, groups, stream);
+    case 8:
+      return exl3_gemm_small_k8(a, codebook, groups, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t exl3_gemm_dequant_t(const int16_t* trellis, int k, int n, int K, int codebook, void* wt,
+                                cudaStream_t stream) {
+  if (k % 16 || n % 16 || k <= 0 || n <= 0) return cudaErrorInvalidValue;
+  const int tk = k / 16, tn = n / 16;
+  switch (K) {
+    case 1:
+      return exl3_gemm_dequant_t_k1(trellis, tk, tn, codebook, wt, stream);
+    case 2:
+      return exl3_gemm_dequant_t_k2(trellis, tk, tn, codebook, wt, stream);
+    case 3:
+      return exl3_gemm_dequant_t_k3(trellis, tk, tn, codebook, wt, stream);
+    case 4:
+      return exl3_gemm_dequant_t_k4(trellis, tk, tn, codebook, wt, stream);
+    case 5:
+      return exl3_gemm_dequant_t_k5(trellis, tk, tn, codebook, wt, stream);
+    case 6:
+      return exl3_gemm_dequant_t_k6(trellis, tk, tn, codebook, wt, stream);
+    case 7:
+      return exl3_gemm_dequant_t_k7(trellis, tk, tn, codebook, wt, stream);
+    case 8:
+      return exl3_gemm_dequant_t_k8(trellis, tk, tn, codebook, wt, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t exl3_gemm_capture_id(cudaStream_t stream, unsigned long long* id) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long cid = 0;
+  const cudaError_t err = cudaStreamGetCaptureInfo(stream, &status, &cid);
+  *id = status == cudaStreamCaptureStatusActive ? cid : 0;
+  return err;
+}
+
+cudaError_t exl3_gemm_prep_x(const void* x, long x_stride, bool bf16, const void* suh, int m, int k, void* xh,
+                             cudaStream_t stream) {
+  if (m < 1 || k % 128 || x_stride % 4) return cudaErrorInvalidValue;
+  const long items = static_cast<long>(m) * (k / 128);
+  prep_x_kernel<<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
+      x, x_stride, bf16, static_cast<const half*>(suh), m, k, static_cast<half*>(xh));
+  return cudaGetLastError();
+}
+
+cudaError_t exl3_gemm_epilogue(const void* y, const void* svh, const void* bias, int m, int n, void* out,
+                               long out_stride, bool bf16, cudaStream_t stream) {
+  if (m < 1 || n % 128 || out_stride % 4) return cudaErrorInvalidValue;
+  const long items = static_cast<long>(m) * (n / 128);
+  epilogue_kernel<<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
+      static_cast<const half*>(y), static_cast<const half*>(svh), static_cast<const half*>(bias), m, n, out, out_stride,
+      bf16);
+  return cudaGetLastError();
+}
+
+}  // namespace twinspark

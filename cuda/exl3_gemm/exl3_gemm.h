@@ -1,0 +1,69 @@
+// exl3_gemm: y = ((((x ⊙ suh) · Hk) · W_hat) · Hn) ⊙ svh + bias for one EXL3 linear layer (exl3-format.md §4).
+//
+// Contract (checked in Python, re-checked cheaply here):
+//   x     fp16 or bf16 [m, k], row stride x_stride (elements, multiple of 4), 8-byte aligned rows
+//   trellis int16 [k/16, n/16, 16*K] contiguous, 16-byte aligned; whole rates K = 1..8
+//   suh fp16 [k], svh fp16 [n], bias fp16 [n] or null
+//   out   same dtype as x, [m, n], row stride out_stride (elements, multiple of 4)
+//   k, n multiples of 128; codebook 0=3inst 1=mcg 2=mul1
+//   ws    fp32 [64 * n] and counters int32 [n / 128]: per (device, stream), all zero on entry; the kernel leaves
+//         them zero again (the last block of each 128-column strip reads and clears its strip).
+// Launchers return cudaError_t; they never synchronize or allocate.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace twinspark {
+
+struct Exl3GemmSmallArgs {
+  const void* x;
+  long x_stride;
+  const int16_t* trellis;
+  const void* suh;
+  const void* svh;
+  const void* bias;  // may be null
+  void* out;
+  long out_stride;
+  float* ws;
+  int* counters;
+  int m, k, n;
+  int chunks_per_split;  // 128-row chunks of k per block
+  int splits;            // blocks along k (gridDim.y)
+  bool bf16;             // x and out are bf16 (else fp16)
+};
+
+// Small-m path: decode in registers + mma.sync, split-k with an fp32 reduction in ws. m <= 64 per launch
+// (the caller slices larger m). groups = tokens / 8 rounded up to 1, 2, 4 or 8.
+cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int groups, cudaStream_t stream);
+
+// Large-m helpers (the GEMM itself is a dense fp16 matmul on W_hat):
+// wt[n, k] fp16 = W_hat^T (bit-exact), trellis as above.
+cudaError_t exl3_gemm_dequant_t(const int16_t* trellis, int k, int n, int K, int codebook, void* wt,
+                                cudaStream_t stream);
+// xh[m, k] fp16 = fp16(Hk(x ⊙ suh)); x as above, xh contiguous.
+cudaError_t exl3_gemm_prep_x(const void* x, long x_stride, bool bf16, const void* suh, int m, int k, void* xh,
+                             cudaStream_t stream);
+// out[m, n] = Hn(y) ⊙ svh + bias; y fp16 [m, n] contiguous, out in x's dtype with row stride out_stride.
+cudaError_t exl3_gemm_epilogue(const void* y, const void* svh, const void* bias, int m, int n, void* out,
+                               long out_stride, bool bf16, cudaStream_t stream);
+
+// Capture sequence id of the stream's current graph capture (0 when not capturing): lets the Python side emit
+// one workspace memset per captured graph when the workspace itself was allocated inside a capture.
+cudaError_t exl3_gemm_capture_id(cudaStream_t stream, unsigned long long* id);
+
+// One launcher per whole rate, each in its own translation unit (exl3_gemm_k<K>.cu).
+#define TWINSPARK_EXL3_GEMM_DECLARE(K)                                                                           \
+  cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream);   \
+  cudaError_t exl3_gemm_dequant_t_k##K(const int16_t* trellis, int tiles_k, int tiles_n, int codebook, void* wt, \
+                                       cudaStream_t stream);
+TWINSPARK_EXL3_GEMM_DECLARE(1)
+TWINSPARK_EXL3_GEMM_DECLARE(2)
+TWINSPARK_EXL3_GEMM_DECLARE(3)
+TWINSPARK_EXL3_GEMM_DECLARE(4)
+TWINSPARK_EXL3_GEMM_DECLARE(5)
+TWINSPARK_EXL3_GEMM_DECLARE(6)
+TWINSPARK_EXL3_GEMM_DECLARE(7)
+TWINSPARK_EXL3_GEMM_DECLARE(8)
+#undef TWINSPARK_EXL3_GEMM_DECLARE
+
+}  // namespace twinspark

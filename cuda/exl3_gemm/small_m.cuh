@@ -1,0 +1,315 @@
+// Small-m EXL3 GEMM kernel (m <= 64 per launch): decode in registers, tensor cores through mma.sync.
+//
+// Orientation: y^T[n, tokens] = W_hat^T[n, k] · x'^T[k, tokens]. A decoded 16x16 tile is the A operand of
+// mma.m16n8k16 (decode_tile.cuh), 8 tokens are the N side, so m <= 8 costs one mma per tile and every extra
+// group of 8 tokens reuses the decoded registers (decode is the expensive part on the H200).
+//
+// Grid (n/128 strips, splits). Block = 8 warps = the 8 n-tiles of one 128-column strip; it walks its share of
+// k in 128-row chunks. Per chunk: trellis tiles of the chunk (8 k-tiles x 8 n-tiles) arrive by cp.async in a
+// 2-4 stage ring; x' = fp16(H128(x ⊙ suh)) of the chunk is computed by the block (warp per token, shuffles)
+// into a double buffer; each warp decodes its n-tile's 8 k-tiles and issues `groups` mmas per tile.
+// Reduction over splits: fp32 red.add into ws[token, n]; the last block of the strip (atomic counter) applies
+// the output Hadamard, svh and bias, writes out, and clears its ws strip and counter (graph-safe, no memset).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <atomic>
+
+#include "exl3/decode_tile.cuh"
+#include "exl3/hadamard.cuh"
+#include "exl3_gemm/exl3_gemm.h"
+
+namespace twinspark {
+namespace exl3_gemm_detail {
+
+constexpr int kThreads = 256;
+constexpr int kXRow = 136;  // halves per token row of x' in shared memory (128 + 8: conflict-free ldmatrix)
+
+__host__ __device__ constexpr int stage_words(int K) { return 64 * 8 * K; }  // 64 tiles x 8K u32
+__host__ __device__ constexpr int num_stages(int K) {
+  // ~48 KB of trellis in flight per block at most (GB10: <= 99 KB per block together with x').
+  return (49152 / (stage_words(K) * 4)) > 4 ? 4
+                                            : ((49152 / (stage_words(K) * 4)) < 2 ? 2 : 49152 / (stage_words(K) * 4));
+}
+__host__ __device__ constexpr int smem_bytes(int K, int groups) {
+  return num_stages(K) * stage_words(K) * 4 + 2 * 8 * groups * kXRow * 2;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(const void* p, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(s));
+}
+__device__ __forceinline__ void ldmatrix_x2(const void* p, uint32_t& r0, uint32_t& r1) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(s));
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// x'[t, 0:128] of chunk c for tokens t < 8*groups (rows >= m are zero), fp16 into xs (row stride kXRow).
+// (Tried: issuing chunk c+1's loads before chunk c's decode; measured slower on the H200 at every m, with
+// 125 registers at 8 groups: NOTES.md v2.)
+template <int G>
+__device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, half* xs, int warp, int lane) {
+  float s[4];
+  exl3::load4_half(static_cast<const half*>(a.suh) + 128 * c + 4 * lane, s);
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    const int t = warp + 8 * i;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (t < a.m) {
+      exl3::load4(static_cast<const char*>(a.x) + (static_cast<size_t>(t) * a.x_stride + 128 * c + 4 * lane) * 2,
+                  a.bf16, v);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] *= s[e];
+      exl3::hadamard128_warp(v, lane);
+    }
+    const __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&lo), u.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = u;
+  }
+}
+
+template <int K, int CB, int G>
+__global__ void __launch_bounds__(kThreads) small_m_kernel(const Exl3GemmSmallArgs a) {
+  constexpr int kStages = num_stages(K);
+  constexpr int kStageWords = stage_words(K);
+  extern __shared__ uint4 smem_raw[];
+  uint32_t* stages = reinterpret_cast<uint32_t*>(smem_raw);
+  half* xs = reinterpret_cast<half*>(stages + kStages * kStageWords);
+  __shared__ int s_last;
+
+  const int strip = blockIdx.x, split = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kc = a.k >> 7;
+  const int c0 = split * a.chunks_per_split;
+  const int c1 = min(kc, c0 + a.chunks_per_split);
+  const int nchunks = c1 - c0;
+  const int tiles_n = a.n >> 4;
+
+  // One chunk = 8 rows (k-tiles) of 8 consecutive tiles; each row is contiguous in global memory.
+  auto load_chunk = [&](int c, int stage) {
+    uint4* dst = reinterpret_cast<uint4*>(stages + stage * kStageWords);
+    constexpr int kRowVec = 16 * K;  // uint4 per row of 8 tiles (8 * 32K bytes / 16)
+#pragma unroll
+    for (int i = threadIdx.x; i < 8 * kRowVec; i += kThreads) {
+      const int kt = i / kRowVec, v = i - kt * kRowVec;
+      const uint4* src =
+          reinterpret_cast<const uint4*>(a.trellis + (static_cast<long>(8 * c + kt) * tiles_n + 8 * strip) * 16 * K) +
+          v;
+      cp_async16(dst + i, src);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nchunks) load_chunk(c0 + s, s);
+    cp_async_commit();
+  }
+
+  float acc[G][4];
+#pragma unroll
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
+  const exl3::LaneWindow<K> lw(lane);
+  // ldmatrix row address of this lane inside a chunk's x': matrix mi = lane / 8 (k half, then group + 1).
+  const int mi = lane >> 3;
+  const int x_row = (G == 1 ? 0 : 8 * (mi >> 1)) + (lane & 7);
+  const int x_col = 8 * (mi & 1);
+
+  for (int i = 0; i < nchunks; ++i) {
+    half* xb = xs + (i & 1) * (8 * G * kXRow);
+    make_x_chunk<G>(a, c0 + i, xb, warp, lane);
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (i + kStages - 1 < nchunks) load_chunk(c0 + i + kStages - 1, (i + kStages - 1) % kStages);
+    cp_async_commit();
+
+    const uint32_t* st = stages + (i % kStages) * kStageWords + warp * 8 * K;
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      uint32_t p[4];
+      exl3::decode_lane<K, CB>(st + kt * 64 * K, lw, p);
+      const uint32_t afrag[4] = {p[0], p[2], p[1], p[3]};
+      if constexpr (G == 1) {
+        uint32_t b0, b1;
+        ldmatrix_x2(xb + x_row * kXRow + 16 * kt + x_col, b0, b1);
+        mma_16816(acc[0], afrag, b0, b1);
+      } else {
+#pragma unroll
+        for (int g = 0; g < G; g += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldmatrix_x4(xb + (8 * g + x_row) * kXRow + 16 * kt + x_col, b0, b1, b2, b3);
+          mma_16816(acc[g], afrag, b0, b1);
+          mma_16816(acc[g + 1], afrag, b2, b3);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // C fragment: rows (n) lane/4 and lane/4 + 8 of this warp's n-tile; columns (tokens) 2*(lane%4) + {0, 1}.
+  // Scalar fp32 atomics into token-major ws [64][n]: a warp's adds hit 8 consecutive columns of 4 rows, i.e. few
+  // L2 sectors per instruction. (Tried: 16-byte red.add.v4 into a token-minor layout: 2x slower at m=64 on the
+  // H200 because each lane then hits its own sector: NOTES.md v2.)
+  const int col = strip * 128 + warp * 16 + (lane >> 2);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int t = 8 * g + 2 * (lane & 3);
+    if (t < a.m) {
+      atomicAdd(a.ws + static_cast<long>(t) * a.n + col, acc[g][0]);
+      atomicAdd(a.ws + static_cast<long>(t) * a.n + col + 8, acc[g][2]);
+    }
+    if (t + 1 < a.m) {
+      atomicAdd(a.ws + static_cast<long>(t + 1) * a.n + col, acc[g][1]);
+      atomicAdd(a.ws + static_cast<long>(t + 1) * a.n + col + 8, acc[g][3]);
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(a.counters + strip, 1) == a.splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+
+  // Last block of this strip: every split's partial sum is in ws (L2). Output Hadamard, scales, bias; clear.
+  float sv[4], bs[4] = {0.f, 0.f, 0.f, 0.f};
+  exl3::load4_half(static_cast<const half*>(a.svh) + strip * 128 + 4 * lane, sv);
+  if (a.bias) exl3::load4_half(static_cast<const half*>(a.bias) + strip * 128 + 4 * lane, bs);
+  for (int t = warp; t < a.m; t += 8) {
+    float4* w = reinterpret_cast<float4*>(a.ws + static_cast<long>(t) * a.n + strip * 128 + 4 * lane);
+    const float4 q = __ldcg(w);
+    __stcg(w, make_float4(0.f, 0.f, 0.f, 0.f));
+    float v[4] = {q.x, q.y, q.z, q.w};
+    exl3::hadamard128_warp(v, lane);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = v[e] * sv[e] + bs[e];
+    exl3::store4(static_cast<char*>(a.out) + (static_cast<size_t>(t) * a.out_stride + strip * 128 + 4 * lane) * 2,
+                 a.bf16, v);
+  }
+  if (threadIdx.x == 0) a.counters[strip] = 0;
+}
+
+template <int K, int CB, int G>
+cudaError_t launch_small(const Exl3GemmSmallArgs& a, cudaStream_t stream) {
+  constexpr int smem = smem_bytes(K, G);
+  static_assert(smem <= 99 * 1024, "GB10: at most 99 KB of shared memory per block");
+  // Raising the dynamic shared memory limit is a host-side function attribute: done once per kernel, and
+  // legal while a stream is being captured.
+  static std::atomic<uint64_t> raised{0};  // one bit per device
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (!(raised.load(std::memory_order_acquire) >> (dev & 63) & 1)) {
+    err = cudaFuncSetAttribute(small_m_kernel<K, CB, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    raised.fetch_or(uint64_t{1} << (dev & 63), std::memory_order_acq_rel);
+  }
+  const dim3 grid(a.n / 128, a.splits);
+  small_m_kernel<K, CB, G><<<grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Large-m path: W_hat^T fp16 [n, k] (the nn.Linear layout a dense matmul reads as B^T), one warp per tile,
+// decoded with the same per-lane code. Pair p of lane L holds rows (k) r0, r0+1 of column (n) c: one 4-byte store.
+template <int K, int CB>
+__global__ void __launch_bounds__(256)
+    dequant_t_kernel(const int16_t* __restrict__ trellis, int tiles_k, int tiles_n, half* __restrict__ wt) {
+  const int lane = threadIdx.x & 31;
+  const long tile = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (tile >= static_cast<long>(tiles_k) * tiles_n) return;
+  const long tk = tile / tiles_n, tn = tile - tk * tiles_n;
+  const exl3::LaneWindow<K> lw(lane);
+  uint32_t p[4];
+  exl3::decode_lane<K, CB>(reinterpret_cast<const uint32_t*>(trellis + tile * 16 * K), lw, p);
+  const long k = static_cast<long>(tiles_k) * 16;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r0 = 2 * (lane & 3) + 8 * (i & 1), c = (lane >> 2) + 8 * (i >> 1);
+    *reinterpret_cast<uint32_t*>(wt + (16 * tn + c) * k + 16 * tk + r0) = p[i];
+  }
+}
+
+template <int K>
+cudaError_t launch_dequant_t_k(const int16_t* trellis, int tiles_k, int tiles_n, int codebook, void* wt,
+                               cudaStream_t stream) {
+  const long tiles = static_cast<long>(tiles_k) * tiles_n;
+  const dim3 grid(static_cast<unsigned>((tiles + 7) / 8));
+  half* w = static_cast<half*>(wt);
+  switch (codebook) {
+    case exl3::kCb3inst:
+      dequant_t_kernel<K, exl3::kCb3inst><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, w);
+      break;
+    case exl3::kCbMcg:
+      dequant_t_kernel<K, exl3::kCbMcg><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, w);
+      break;
+    case exl3::kCbMul1:
+      dequant_t_kernel<K, exl3::kCbMul1><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, w);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <int K>
+cudaError_t launch_small_k(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream) {
+#define TS_CASE(CB)                             \
+  switch (groups) {                             \
+    case 1:                                     \
+      return launch_small<K, CB, 1>(a, stream); \
+    case 2:                                     \
+      return launch_small<K, CB, 2>(a, stream); \
+    case 4:                                     \
+      return launch_small<K, CB, 4>(a, stream); \
+    case 8:                                     \
+      return launch_small<K, CB, 8>(a, stream); \
+    default:                                    \
+      return cudaErrorInvalidValue;             \
+  }
+  switch (codebook) {
+    case exl3::kCb3inst:
+      TS_CASE(exl3::kCb3inst)
+    case exl3::kCbMcg:
+      TS_CASE(exl3::kCbMcg)
+    case exl3::kCbMul1:
+      TS_CASE(exl3::kCbMul1)
+    default:
+      return cudaErrorInvalidValue;
+  }
+#undef TS_CASE
+}
+
+}  // namespace exl3_gemm_detail
+}  // namespace twinspark
+
+#define TWINSPARK_EXL3_GEMM_DEFINE(K)                                                                            \
+  namespace twinspark {                                                                                          \
+  cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t s) {       \
+    return exl3_gemm_detail::launch_small_k<K>(a, codebook, groups, s);                                          \
+  }                                                                                                              \
+  cudaError_t exl3_gemm_dequant_t_k##K(const int16_t* trellis, int tiles_k, int tiles_n, int codebook, void* wt, \
+                                       cudaStream_t s) {                                                         \
+    return exl3_gemm_detail::launch_dequant_t_k<K>(trellis, tiles_k, tiles_n, codebook, wt, s);                  \
+  }                                                                                                              \
+  }

@@ -1,0 +1,292 @@
+"""twinspark.ops.exl3_gemm: one EXL3 linear layer, y = x @ W + bias with W = diag(suh)·Hk·W_hat·Hn·diag(svh).
+
+Kernel variants (the one table is `plan`; cuda/exl3_gemm/README.md says why each exists):
+- ``small`` (m <= LARGE_M): decode the trellis in registers straight into mma.sync fragments, split k across
+  blocks, reduce in an fp32 per-stream workspace; suh, both Hadamard transforms, svh and bias fused. Tokens go
+  in slices of 64 per launch.
+- ``large`` (m > LARGE_M, prefill): W_hat^T decoded once into an fp16 workspace (dequant_t), x' =
+  H(x ⊙ suh) in fp16, a dense fp16 tensor-core matmul (torch.mm / cuBLAS), then Hn, svh and bias in one kernel.
+
+Graph safety: no host sync, no tuning (the table is static), and the only state is a workspace per (device,
+stream) that the small kernel leaves zeroed after every call (its last block per strip clears what it read).
+Workspaces are made on a stream's first call, or grown when a layer is larger than any before; make that first
+call outside graph capture (a warm-up run) so nothing is allocated while capturing — if it does happen inside a
+capture it still works: the allocation comes from the graph's pool, and until an eager call has zeroed it each
+captured graph gets one memset of it (so a graph that is never replayed cannot leave the next one garbage).
+Do not replay one graph on two streams at once (they would share its capture stream's workspace).
+Half rates (1.5, 2.5, 3.5) run through the PyTorch reference (a warning says so once).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from twinspark import _ext
+from twinspark.exl3.layer import Exl3Layer
+from twinspark.exl3.reference import CODEBOOKS, WHOLE_RATES, rate_from_last_dim
+from twinspark.reference.exl3_gemm import exl3_gemm as _reference
+
+OP = "exl3_gemm"
+_X_DTYPES = (torch.float16, torch.bfloat16)
+M_SLICE = 64  # tokens per launch of the small-m kernel (8 groups of 8: 32 fp32 accumulators per lane)
+LARGE_M = 64  # m above this takes the dequantize + dense matmul path (README: crossover measured on the H200)
+# split-k target: about this many blocks per SM in one launch (v1, measured on the H200; the v2 sweep found 3 the
+# best of 1/2/3/6 at m=1 — 6 adds nothing — and fewer splits better at m=64 with its (reverted) v4 reduction;
+# re-sweep at m=64 with `bench_exl3_gemm.py` before changing it: NOTES.md)
+BLOCKS_PER_SM: float | dict = 3.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs: ``variant`` small|large; for small: token ``groups`` of 8 per launch, k split in
+    ``splits`` blocks of ``chunks_per_split`` 128-row chunks, ``m_slice`` tokens per launch."""
+
+    variant: str
+    groups: int = 0
+    splits: int = 0
+    chunks_per_split: int = 0
+    m_slice: int = 0
+
+
+def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None) -> Plan:
+    """THE variant table: by m (decode vs prefill) and shape (split-k so one launch fills the GPU)."""
+    variant = variant or os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT") or ("small" if m <= LARGE_M else "large")
+    if variant == "large":
+        return Plan("large")
+    if variant != "small":
+        raise ValueError(f"{OP}: unknown variant {variant!r}; expected 'small' or 'large'")
+    m_slice = min(m, M_SLICE)
+    groups = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(m_slice / 8)))))
+    strips, chunks = n // 128, k // 128
+    bps = BLOCKS_PER_SM[groups] if isinstance(BLOCKS_PER_SM, dict) else BLOCKS_PER_SM
+    splits = max(1, min(chunks, math.ceil(bps * sms / strips)))
+    cps = math.ceil(chunks / splits)
+    return Plan("small", groups, math.ceil(chunks / cps), cps, m_slice)
+
+
+_PLANS: dict[tuple, Plan] = {}
+
+
+def _cached_plan(m, k, n, K, sms) -> Plan:
+    forced = os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
+    key = (m, k, n, K, sms, forced, BLOCKS_PER_SM if not isinstance(BLOCKS_PER_SM, dict) else None)
+    p = _PLANS.get(key)
+    if p is None:
+        p = _PLANS[key] = plan(m, k, n, K, sms, forced)
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ workspaces
+class _Workspace:
+    """Per (device, stream) scratch. ``acc`` fp32 [64 * n] and ``counters`` int32 [n / 128] are zero between
+    calls (the small kernel clears what it used); the large path's buffers are plain scratch."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.acc = torch.zeros(0, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self.needs_zero = False
+        self.zeroed_in: set[int] = set()
+        self.scratch: dict[str, torch.Tensor] = {}
+
+    def small(self, n: int, capture_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """acc and counters for a layer of n columns. ``capture_id``: the stream's active capture (0: none).
+        A workspace allocated inside a capture holds garbage until something zeroes it, and that graph may never
+        be replayed: until an eager call zeroes it, every captured graph gets one memset of its own."""
+        if self.acc.numel() < M_SLICE * n or self.counters.numel() < n // 128:
+            self.acc = torch.zeros(max(self.acc.numel(), M_SLICE * n), dtype=torch.float32, device=self.device)
+            self.counters = torch.zeros(max(self.counters.numel(), n // 128), dtype=torch.int32, device=self.device)
+            self.needs_zero = bool(capture_id)
+            self.zeroed_in = {capture_id}
+        elif self.needs_zero:
+            if not capture_id:
+                self.acc.zero_()
+                self.counters.zero_()
+                self.needs_zero = False
+            elif capture_id not in self.zeroed_in:
+                self.acc.zero_()
+                self.counters.zero_()
+                self.zeroed_in.add(capture_id)
+        return self.acc, self.counters
+
+    def buffer(self, name: str, numel: int) -> torch.Tensor:
+        t = self.scratch.get(name)
+        if t is None or t.numel() < numel:
+            t = torch.empty(numel, dtype=torch.float16, device=self.device)
+            self.scratch[name] = t
+        return t[:numel]
+
+
+_WORKSPACES: dict[tuple[int, int], _Workspace] = {}
+_SMS: dict[int, int] = {}
+
+
+def _workspace(device: torch.device) -> _Workspace:
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = _Workspace(device)
+    return ws
+
+
+def _sms(device: torch.device) -> int:
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+# -------------------------------------------------------------------------------------------------- checks
+def _check(x, trellis, suh, svh, bias, K, codebook, out=None) -> None:
+    # Contract: x fp16|bf16 [..., k] (last dim contiguous); trellis int16 [k/16, n/16, 16*K] (16*KA+8 for half
+    # rates); suh fp16 [k]; svh fp16 [n]; bias fp16 [n] or None; k, n multiples of 128; all on one device;
+    # out (optional) x.dtype [..., n].
+    if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES:
+        raise TypeError(f"{OP}: expected x to be a float16 or bfloat16 tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if trellis.dtype != torch.int16 or trellis.dim() != 3:
+        raise ValueError(f"{OP}: expected trellis to be int16 [k/16, n/16, 16*K], got {trellis.dtype} "
+                         f"{tuple(trellis.shape)}")
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"{OP}: expected codebook in {CODEBOOKS}, got {codebook!r}")
+    if rate_from_last_dim(trellis.shape[-1]) != K:
+        raise ValueError(f"{OP}: trellis last dimension {trellis.shape[-1]} does not match K={K}")
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if k % 128 or n % 128:
+        raise ValueError(f"{OP}: k and n must be multiples of 128 (the Hadamard block), got k={k}, n={n}; "
+                         "EXL3 checkpoints pad both, re-export the layer padded")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"{OP}: expected x of shape [..., {k}] (k of the layer), got {tuple(x.shape)}")
+    for name, t, size in (("suh", suh, k), ("svh", svh, n), ("bias", bias, n)):
+        if t is None:
+            continue
+        if t.dtype != torch.float16 or t.shape != (size,):
+            raise ValueError(f"{OP}: expected {name} to be float16 [{size}], got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("trellis", trellis), ("suh", suh), ("svh", svh), ("bias", bias), ("out", out)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{OP}: {name} is on {t.device} but x is on {x.device}; move the layer to x's device")
+    if out is not None and (out.dtype != x.dtype or out.shape != (*x.shape[:-1], n)):
+        raise ValueError(f"{OP}: expected out to be {x.dtype} {(*x.shape[:-1], n)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------- kernel
+_WARNED_HALF: set[float] = set()
+
+
+def _aligned_2d(t: torch.Tensor, cols: int) -> torch.Tensor:
+    t2 = t.reshape(-1, cols)
+    if t2.stride(-1) != 1 or t2.stride(0) % 4 or t2.data_ptr() % 16:
+        t2 = t2.contiguous()
+        if t2.data_ptr() % 16:
+            t2 = t2.clone()
+    return t2
+
+
+def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor) -> None:
+    """The kernel path: writes x @ W + bias into out (x.dtype [..., n])."""
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    x2 = _aligned_2d(x, k)
+    m = x2.shape[0]
+    if m == 0:
+        return
+    out2 = out.view(-1, n) if out.is_contiguous() else torch.empty(m, n, dtype=out.dtype, device=out.device)
+    trellis = trellis if trellis.is_contiguous() and trellis.data_ptr() % 16 == 0 else trellis.contiguous()
+    suh, svh = suh.contiguous(), svh.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    dev = x2.device
+    C = _ext.module()
+    stream = _ext.stream_ptr(dev)
+    bf16 = x2.dtype == torch.bfloat16
+    cb = CODEBOOKS.index(codebook)
+    p = _cached_plan(m, k, n, K, _sms(dev))
+    ws = _workspace(dev)
+    if p.variant == "small":
+        acc, counters = ws.small(n, C.exl3_gemm_capture_id(stream) if torch.cuda.is_current_stream_capturing() else 0)
+        es = x2.element_size()
+        for m0 in range(0, m, p.m_slice):
+            mm = min(p.m_slice, m - m0)
+            C.exl3_gemm_small(
+                x2.data_ptr() + m0 * x2.stride(0) * es, x2.stride(0), trellis.data_ptr(), suh.data_ptr(),
+                svh.data_ptr(), bias.data_ptr() if bias is not None else 0, out2.data_ptr() + m0 * n * es, n,
+                acc.data_ptr(), counters.data_ptr(), mm, k, n, int(K), cb, p.groups, p.chunks_per_split, p.splits,
+                bf16, stream)
+    else:
+        wt = ws.buffer("w_hat_t", n * k)
+        xh = ws.buffer("xh", m * k)
+        y = ws.buffer("y", m * n)
+        C.exl3_gemm_dequant_t(trellis.data_ptr(), k, n, int(K), cb, wt.data_ptr(), stream)
+        C.exl3_gemm_prep_x(x2.data_ptr(), x2.stride(0), bf16, suh.data_ptr(), m, k, xh.data_ptr(), stream)
+        torch.mm(xh.view(m, k), wt.view(n, k).t(), out=y.view(m, n))
+        C.exl3_gemm_epilogue(y.data_ptr(), svh.data_ptr(), bias.data_ptr() if bias is not None else 0, m, n,
+                             out2.data_ptr(), n, bf16, stream)
+    if out2.data_ptr() != out.data_ptr():
+        out.copy_(out2.view(out.shape))
+
+
+def _compute(x, trellis, suh, svh, bias, K, codebook, out) -> None:
+    if K not in WHOLE_RATES:
+        if K not in _WARNED_HALF:
+            _WARNED_HALF.add(K)
+            warnings.warn(f"{OP}: half rate K={K} has no CUDA kernel yet; running the PyTorch reference "
+                          "(correct, much slower)", stacklevel=3)
+        out.copy_(_reference(x, trellis, suh, svh, bias, K, codebook))
+    elif _ext.use_kernel(x, trellis):
+        _run(x, trellis, suh, svh, bias, K, codebook, out)
+    else:
+        out.copy_(_reference(x, trellis, suh, svh, bias, K, codebook))
+
+
+@torch.library.custom_op("twinspark::exl3_gemm", mutates_args=())
+def _exl3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+               bias: torch.Tensor | None, K: float, codebook: str) -> torch.Tensor:
+    if not _ext.use_kernel(x, trellis):
+        return _reference(x, trellis, suh, svh, bias, K, codebook)
+    out = torch.empty(*x.shape[:-1], trellis.shape[1] * 16, dtype=x.dtype, device=x.device)
+    _compute(x, trellis, suh, svh, bias, K, codebook, out)
+    return out
+
+
+@_exl3_gemm.register_fake
+def _(x, trellis, suh, svh, bias, K, codebook):
+    return x.new_empty(*x.shape[:-1], trellis.shape[1] * 16)
+
+
+@torch.library.custom_op("twinspark::exl3_gemm_out", mutates_args=("out",))
+def _exl3_gemm_out(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                   bias: torch.Tensor | None, K: float, codebook: str, out: torch.Tensor) -> None:
+    _compute(x, trellis, suh, svh, bias, K, codebook, out)
+
+
+@_exl3_gemm_out.register_fake
+def _(x, trellis, suh, svh, bias, K, codebook, out):
+    return None
+
+
+def exl3_gemm(x: torch.Tensor, layer: Exl3Layer, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W + bias for one EXL3 layer.
+
+    Args:
+        x: float16 or bfloat16 ``[..., k]`` (last dim contiguous), CPU (reference) or CUDA.
+        layer: the layer (trellis int16 ``[k/16, n/16, 16*K]``, suh fp16 ``[k]``, svh fp16 ``[n]``, optional
+            bias fp16 ``[n]``, K 1..8 or 1.5/2.5/3.5, codebook 3inst|mcg|mul1); k and n multiples of 128.
+        out: optional ``[..., n]`` tensor of x's dtype to write into.
+    Returns:
+        ``[..., n]`` in x's dtype (``out`` when given).
+    """
+    K = float(layer.K)
+    _check(x, layer.trellis, layer.suh, layer.svh, layer.bias, K, layer.codebook, out)
+    if not torch.compiler.is_compiling() and x.is_cuda:
+        # Eager on a GPU: call the implementation directly. The registered ops (what torch.compile and vLLM's
+        # graphs see) cost a dispatcher round trip of several µs, comparable to the kernel at m=1.
+        y = out if out is not None else torch.empty(*x.shape[:-1], layer.n, dtype=x.dtype, device=x.device)
+        _compute(x, layer.trellis, layer.suh, layer.svh, layer.bias, K, layer.codebook, y)
+        return y
+    if out is None:
+        return _exl3_gemm(x, layer.trellis, layer.suh, layer.svh, layer.bias, K, layer.codebook)
+    _exl3_gemm_out(x, layer.trellis, layer.suh, layer.svh, layer.bias, K, layer.codebook, out)
+    return out
