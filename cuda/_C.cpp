@@ -14,9 +14,16 @@ namespace py = pybind11;
 #ifdef TWINSPARK_WITH_CUDA
 void bind_cuda_info(py::module_& m);
 void bind_exl3_reconstruct(py::module_& m);
+void bind_exl3_gemm(py::module_& m);
+void bind_engram_dequant(py::module_& m);
+void bind_engram_gather(py::module_& m);
+void bind_allreduce(py::module_& m);
+void bind_exl3_moe(py::module_& m);
 // (ops add their bind_<op> declarations here)
 #endif
+void bind_allreduce_host(py::module_& m);
 // CPU-side C++ (always built) add their bind_<name> declarations here.
+void bind_engram_store(py::module_& m);
 
 static std::vector<std::string> built_archs() {
   std::vector<std::string> out;
@@ -33,14 +40,22 @@ static std::vector<std::string> built_archs() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "twinspark kernels (device code is torch-free: pointers, shapes and a stream in)";
-  m.def("built_archs", &built_archs, "CUDA targets compiled into this module, e.g. ['90a', '121a']; empty when CPU-only");
+  m.def("built_archs", &built_archs,
+        "CUDA targets compiled into this module, e.g. ['90a', '121a']; empty when CPU-only");
 #ifdef TWINSPARK_WITH_CUDA
   m.attr("with_cuda") = true;
   bind_cuda_info(m);
   bind_exl3_reconstruct(m);
+  bind_exl3_gemm(m);
+  bind_engram_dequant(m);
+  bind_engram_gather(m);
+  bind_allreduce(m);
+  bind_exl3_moe(m);
   // (ops add their bind_<op>(m) calls here)
 #else
   m.attr("with_cuda") = false;
 #endif
+  bind_allreduce_host(m);
   // CPU-side bind calls go here.
+  bind_engram_store(m);
 }

@@ -1,0 +1,171 @@
+"""Engram row store on this machine's disk: cache-cold random rows/s from a multi-GB pack file.
+
+For each thread count (default 1, 8, 32, 96), in the same run and on the same file:
+  - fio: 4 KiB random reads, O_DIRECT, psync engine, numjobs = threads (queue depth = threads);
+  - twinspark: EngramStore.from_pack(threads=T, cache off), batches of random row ids (one ~4 KiB O_DIRECT read
+    per row; a row crossing a 4 KiB boundary, 6% of them, needs 8 KiB);
+  - plain Python: a ThreadPoolExecutor of T threads doing os.preadv of the same aligned blocks (O_DIRECT fd).
+Targets (issue 5): twinspark >= 70% of fio's IOPS, >= 5x plain Python. Also printed: CPU time per row (all
+threads of this process; fio's is not counted), which is what is left to compare once the disk is the limit, and
+the host and pinned bytes
+the configuration costs (on GB10 both come out of the GPU's unified memory).
+
+The file is a synthetic layer (write_synthetic_checkpoint) packed with twinspark.engram.pack, written under
+--dir (default /tmp) and deleted at the end, also on failure. O_DIRECT keeps the page cache out; a hypervisor's
+own cache below a virtual disk (if any) serves fio and the store alike.
+
+    python bench/bench_engram_store.py [--gib 6] [--threads 1,8,32,96] [--seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from twinspark import benchkit as bk
+from twinspark.engram import EngramStore, pack, staging_pinned_bytes, synthetic_head_sizes
+from twinspark.engram.pack import HEADER_BYTES
+from twinspark.engram.source import RECORD_BYTES
+from twinspark.engram.synth import write_synthetic_checkpoint
+
+ALIGN = 4096
+
+
+def make_pack_file(root: Path, gib: float) -> tuple[Path, int]:
+    rows = int(gib * 2**30 / RECORD_BYTES)
+    t0 = time.perf_counter()
+    layout = write_synthetic_checkpoint(root / "ckpt", {1: synthetic_head_sizes(rows)}, seed=1)
+    t1 = time.perf_counter()
+    result = pack(root / "ckpt", root / "pack", layout, 0, 1, layers=[1])[0]
+    t2 = time.perf_counter()
+    shutil.rmtree(root / "ckpt")  # only the pack file is measured; free the disk
+    size = result.path.stat().st_size
+    print(f"file: {result.path} {size / 2**30:.2f} GiB, {result.header.rows:,} rows "
+          f"(generated in {t1 - t0:.1f} s, packed in {t2 - t1:.1f} s = {size / (t2 - t1) / 1e9:.2f} GB/s)")
+    return result.path, result.header.rows
+
+
+def run_fio(path: Path, threads: int, seconds: float) -> float | None:
+    if shutil.which("fio") is None:
+        return None
+    cmd = ["fio", "--name=engram", f"--filename={path}", "--readonly", "--rw=randread", "--bs=4k", "--direct=1",
+           "--ioengine=psync", f"--numjobs={threads}", "--thread", "--group_reporting", "--time_based",
+           f"--runtime={seconds}", "--randrepeat=0", "--norandommap", "--output-format=json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, check=True).stdout
+    return float(json.loads(out[out.index("{"):])["jobs"][0]["read"]["iops"])
+
+
+def run_store(path: Path, rows: int, threads: int, seconds: float,
+              io_mode: str = "auto") -> tuple[float, float, EngramStore]:
+    store = EngramStore.from_pack(path, threads=threads, cache_gib=0.0, io_mode=io_mode)
+    if not store.direct and io_mode == "auto":
+        store.drop_page_cache()
+    batch = max(1024, threads * 64)
+    rng = np.random.default_rng(threads)
+    pending, done = [], 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        while len(pending) < 2:  # keep the pool busy while the previous batch is collected
+            pending.append(store.lookup_async(torch.from_numpy(rng.integers(0, rows, batch, dtype=np.int64))))
+        pending.pop(0).wait()
+        done += batch
+    for p in pending:
+        p.wait()
+        done += batch
+    return done / (time.perf_counter() - t0), (time.process_time() - c0) * 1e6 / done, store
+
+
+def run_python(path: Path, rows: int, threads: int, seconds: float, direct: bool = True) -> tuple[float, float]:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0))
+    rng = np.random.default_rng(1000 + threads)
+    chunk = 64
+
+    def work(ids: np.ndarray) -> int:
+        buf = mmap.mmap(-1, 2 * ALIGN)  # page-aligned, as O_DIRECT needs
+        out = np.empty((len(ids), RECORD_BYTES), np.uint8)
+        for i, r in enumerate(ids.tolist()):
+            off = HEADER_BYTES + r * RECORD_BYTES
+            start = off - off % ALIGN
+            length = ALIGN if off % ALIGN + RECORD_BYTES <= ALIGN else 2 * ALIGN
+            os.preadv(fd, [memoryview(buf)[:length]], start)
+            out[i] = np.frombuffer(buf, np.uint8, RECORD_BYTES, off - start)
+        return len(ids)
+
+    done = 0
+    try:
+        with cf.ThreadPoolExecutor(threads) as pool:
+            c0, t0 = time.process_time(), time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                ids = rng.integers(0, rows, max(1024, threads * chunk))
+                done += sum(pool.map(work, np.array_split(ids, max(1, len(ids) // chunk))))
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        os.close(fd)
+    return done / elapsed, cpu * 1e6 / done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=6.0, help="size of the pack file to read (GiB)")
+    ap.add_argument("--threads", default="1,8,32,96", help="comma-separated thread counts (= fio queue depth)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="measuring time per method and thread count")
+    ap.add_argument("--dir", default="/tmp", help="where the temporary file goes (deleted afterwards)")
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+
+    root = Path(tempfile.mkdtemp(prefix="twinspark-engram-bench-", dir=args.dir))
+    records, lines = [], []
+    try:
+        path, rows = make_pack_file(root, args.gib)
+        for t in threads:
+            fio = run_fio(path, t, args.seconds)
+            ours, ours_cpu, store = run_store(path, rows, t, args.seconds)
+            py, py_cpu = run_python(path, rows, t, args.seconds)
+            lines.append((t, fio, ours, py, ours_cpu, py_cpu, store.direct, store.host_bytes))
+            for variant, rate in (("twinspark", ours), ("fio-4k", fio), ("python-preadv", py)):
+                if rate:
+                    records.append(bk.Record(op="engram_store", shape={"threads": t, "rows": 1}, median_us=1e6 / rate,
+                                             bytes=ALIGN, variant=variant, notes=f"{rate:,.0f} rows/s (IOPS)"))
+            del store
+        # Software ceiling: the first GiB of rows read once into the page cache, then buffered lookups of them, so
+        # the disk is out of the picture and only the per-row cost of each method is left.
+        warm_rows = min(rows, 2**30 // RECORD_BYTES)
+        with open(path, "rb") as f:
+            while f.tell() < HEADER_BYTES + warm_rows * RECORD_BYTES and f.read(64 << 20):
+                pass
+        tw = max(threads)
+        warm = run_store(path, warm_rows, tw, args.seconds, io_mode="buffered")[:2], run_python(
+            path, warm_rows, tw, args.seconds, direct=False)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print(f"{'threads':>7} {'fio 4k IOPS':>12} {'store rows/s':>13} {'% fio':>6} {'python rows/s':>14} "
+          f"{'x python':>9} {'CPU µs/row store':>17} {'python':>7} {'O_DIRECT':>8} {'host bytes':>11}")
+    for t, fio, ours, py, ours_cpu, py_cpu, direct, host in lines:
+        pct = f"{100 * ours / fio:5.0f}%" if fio else "  n/a"
+        print(f"{t:>7} {fio or float('nan'):>12,.0f} {ours:>13,.0f} {pct:>6} {py:>14,.0f} {ours / py:>9.1f} "
+              f"{ours_cpu:>17.1f} {py_cpu:>7.1f} {'yes' if direct else 'no':>8} {host:>11,}")
+    (ws, ws_cpu), (wp, wp_cpu) = warm
+    print(f"page-cache-warm (1 GiB of rows, buffered, {tw} threads): store {ws:,.0f} rows/s "
+          f"({ws_cpu:.1f} CPU µs/row), python {wp:,.0f} rows/s ({wp_cpu:.1f} CPU µs/row): {ws / wp:.1f}x")
+    if shutil.which("fio") is None:
+        print("fio is not installed (scripts/host-deps.sh installs it): no fio column")
+    cap = 8192 * 24  # one 8k-token prefill chunk: 24 hash heads -> 24 rows per token per layer
+    print(f"pinned staging: {staging_pinned_bytes(1):,} bytes per row of capacity; {cap:,} rows (8k-token chunk, "
+          f"one layer) = {staging_pinned_bytes(cap) / 2**20:.1f} MiB per stream; host: 8,192 bytes of I/O buffer per "
+          "thread + the RAM cache (cache_gib, off here)")
+    bk.write_results("engram_store", records, machine={**bk.machine_info(), "cpus": os.cpu_count()})
+
+
+if __name__ == "__main__":
+    main()
