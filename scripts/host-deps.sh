@@ -5,6 +5,7 @@ set -euo pipefail
 PKGS=(
   openssh-server openssh-client rsync iproute2 iptables psmisc procps
   docker.io zfs-fuse fio busybox-static
+  libibverbs-dev  # rdma-core headers: the all-reduce's RDMA backend compiles when they exist
 )
 missing=()
 for p in "${PKGS[@]}"; do

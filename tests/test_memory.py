@@ -75,3 +75,26 @@ def test_page_cache_drop_lowers_cached(tmp_path):
     assert drop_files(folder) == 1
     after = read_meminfo()["Cached"]
     assert before - after > size // 2, f"Cached went from {before} to {after}"
+
+
+@pytest.mark.vllm
+def test_vllm_start_up_fails_on_another_version(tmp_path):
+    """The real plugin-loading path of a vLLM process (load_general_plugins -> register) refuses another
+    version: start-up fails with the sentence, not later with wrong memory behaviour."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    code = ("import vllm; vllm.__version__ = '0.99.0'\n"
+            "from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TWINSPARK_ALLOW_UNTESTED_VLLM": "1", "VLLM_PLUGINS": "twinspark"})
+    assert r.returncode != 0
+    assert "written for vLLM 0.32.0 but this is vLLM 0.99.0" in r.stderr, r.stderr[-2000:]
+
+
+def test_hooks_pin_matches_plugin_pin():
+    from twinspark.vllm_plugin import TESTED_VLLM
+
+    assert TESTED_VLLM in hooks.WRITTEN_FOR_VLLM

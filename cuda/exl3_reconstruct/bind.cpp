@@ -16,7 +16,7 @@ void bind_exl3_reconstruct(py::module_& m) {
                                         twinspark::ptr<void>(out), out_bf16, twinspark::stream(stream)),
             "exl3_reconstruct");
       },
-      py::arg("trellis"), py::arg("tiles_k"), py::arg("tiles_n"), py::arg("ka"), py::arg("half"),
-      py::arg("codebook"), py::arg("out"), py::arg("out_bf16"), py::arg("stream"));
+      py::arg("trellis"), py::arg("tiles_k"), py::arg("tiles_n"), py::arg("ka"), py::arg("half"), py::arg("codebook"),
+      py::arg("out"), py::arg("out_bf16"), py::arg("stream"));
 }
 #endif

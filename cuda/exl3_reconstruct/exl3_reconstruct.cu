@@ -25,9 +25,8 @@ __device__ __forceinline__ __nv_bfloat16 from_half<__nv_bfloat16>(half h) {
 }
 
 template <int CB, typename OutT>
-__global__ void __launch_bounds__(256) reconstruct_kernel(const int16_t* __restrict__ trellis, int tiles_k,
-                                                          int tiles_n, int ka, bool half_rate,
-                                                          OutT* __restrict__ out) {
+__global__ void __launch_bounds__(256) reconstruct_kernel(const int16_t* __restrict__ trellis, int tiles_k, int tiles_n,
+                                                          int ka, bool half_rate, OutT* __restrict__ out) {
   __shared__ uint32_t words[kTilesPerBlock][kMaxWords32];
   const int words16 = exl3::tile_words16(ka, half_rate);
   const int words32 = words16 / 2;

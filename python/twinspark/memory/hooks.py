@@ -16,7 +16,7 @@ from twinspark.memory import memlog
 from twinspark.memory.meminfo import sample
 from twinspark.memory.policy import ReleasePolicy
 
-WRITTEN_FOR_VLLM = ("0.32.0",)
+WRITTEN_FOR_VLLM = ("0.32.0",)  # = twinspark.vllm_plugin.TESTED_VLLM (a test keeps them equal)
 # worker method -> the memory line written after it returns
 PHASE_AFTER = {
     "load_model": "weights_loaded",
@@ -110,7 +110,7 @@ def _wrap_execute(cls) -> None:
                 memlog.write("release", _rank(self), tokens=tokens, reason=action, freed=freed)
         return out
 
-    setattr(cls, "execute_model", wrapper)
+    cls.execute_model = wrapper
 
 
 def worker_classes() -> list[type]:

@@ -1,0 +1,38 @@
+"""API key: generated with a CSPRNG into a 0600 file in the state dir on first use. Contract:
+`api_key(s)` -> key or None (API_KEY=off). The key only ever travels through files and process environments
+(VLLM_API_KEY), never argv, and is never printed; `redact()` masks it in text that is shown."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+FILE = "api-key"
+
+
+def key_path(state_dir: Path) -> Path:
+    return Path(state_dir) / FILE
+
+
+def api_key(s, dry_run: bool = False) -> str | None:
+    if s.api_key == "off":
+        return None
+    p = key_path(s.state_dir)
+    if p.is_file():
+        os.chmod(p, 0o600)  # repair a copy that lost its mode
+        return p.read_text().strip()
+    key = "sk-ts-" + secrets.token_urlsafe(32)
+    if dry_run:
+        return key
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.replace(tmp, p)
+    return key
+
+
+def redact(text: str, key: str | None) -> str:
+    return text.replace(key, "sk-ts-***") if key else text

@@ -1,0 +1,124 @@
+"""Weights download with huggingface_hub. Contract: `fetch(s)` -> summary line; raises DeployError.
+
+HF_REPO (the EXL3 pack) goes into MODEL_DIR in full; from HF_ENGRAM_REPO only ENGRAM_FILES (Engram shards and
+the index), unless ENGRAM_DIR already holds them (then they are hard-linked, or copied across file systems).
+A re-run resumes per file: finished files are kept and skipped (huggingface_hub 2.x downloads each file into a
+process-unique temp file that is dropped on failure, so a file cut off mid-way starts again from its beginning). Afterwards files split as
+NAME.part00, NAME.part01, ... are joined into NAME (temp name, then rename) and checked against SHA256SUMS
+("<hex>  <name>" lines) when the repo has one. HF_ENDPOINT selects the hub (tests use a loopback server)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+from twinspark.deploy.errors import DeployError
+from twinspark.deploy.hosts import say
+
+MANIFEST = "SHA256SUMS"
+PART = re.compile(r"^(?P<name>.+)\.part(?P<idx>\d{2,})$")
+
+
+def _snapshot(repo: str, dest: Path, allow: list[str] | None = None) -> None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        snapshot_download(repo_id=repo, local_dir=dest, allow_patterns=allow,
+                          endpoint=os.environ.get("HF_ENDPOINT") or None, max_workers=4)
+    except HfHubHTTPError as e:
+        raise DeployError(f"Downloading {repo} failed ({str(e).splitlines()[0]}); check the repo name and HF_TOKEN, "
+                          "then re-run (finished files are kept).") from None
+    except Exception as e:  # network drops surface as several httpx/OS error types
+        raise DeployError(f"Downloading {repo} was interrupted ({type(e).__name__}: {str(e)[:120]}); re-run to "
+                          "resume where it stopped.") from None
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest(d: Path) -> dict[str, str]:
+    p = d / MANIFEST
+    if not p.is_file():
+        return {}
+    out = {}
+    for line in p.read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(maxsplit=1)
+            out[name.lstrip("*")] = digest.lower()
+    return out
+
+
+def reassemble(d: Path) -> list[str]:
+    """Join NAME.partNN files into NAME (in index order), verify against SHA256SUMS, delete the parts."""
+    groups: dict[str, list[tuple[int, Path]]] = {}
+    for p in d.iterdir():
+        m = PART.match(p.name)
+        if m and p.is_file():
+            groups.setdefault(m["name"], []).append((int(m["idx"]), p))
+    sums = manifest(d)
+    done = []
+    for name, parts in sorted(groups.items()):
+        parts.sort()
+        idx = [i for i, _ in parts]
+        if idx != list(range(len(idx))):
+            raise DeployError(f"{name} is split into parts {idx} with gaps; re-run the download to fetch the rest.")
+        tmp = d / f".{name}.joining"
+        with open(tmp, "wb") as out:
+            for _, p in parts:
+                with open(p, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 22)
+        want = sums.get(name)
+        if want and sha256(tmp) != want:
+            tmp.unlink()
+            raise DeployError(f"{name} joined from {len(parts)} parts does not match its sha256 in {MANIFEST}; "
+                              "delete the parts and download again.")
+        os.replace(tmp, d / name)
+        for _, p in parts:
+            p.unlink()
+        done.append(name)
+    return done
+
+
+def _reuse_engram(src: Path, dest: Path, names: list[str]) -> bool:
+    if not all((src / n).is_file() for n in names):
+        return False
+    for n in names:
+        t = dest / n
+        if t.exists():
+            continue
+        try:
+            os.link(src / n, t)
+        except OSError:
+            shutil.copy2(src / n, t)
+    return True
+
+
+def fetch(s, dry_run: bool = False) -> str:
+    dest = Path(s.model_dir)
+    names = s.engram_files.split()
+    if dry_run:
+        return f"download: would fetch {s.hf_repo or '(no HF_REPO)'} and {len(names)} Engram file(s) into {dest}"
+    dest.mkdir(parents=True, exist_ok=True)
+    did = []
+    if s.hf_repo:
+        _snapshot(s.hf_repo, dest)
+        did.append(s.hf_repo)
+    if s.hf_engram_repo and names:
+        if s.engram_dir and _reuse_engram(Path(s.engram_dir), dest, names):
+            did.append(f"Engram files linked from {s.engram_dir}")
+        else:
+            _snapshot(s.hf_engram_repo, dest, allow=names)
+            did.append(f"{len(names)} Engram file(s) from {s.hf_engram_repo}")
+    joined = reassemble(dest)
+    if joined:
+        say(f"download: joined and verified {', '.join(joined)}")
+    return f"download: {'; '.join(did) or 'nothing to fetch'} in {dest}"

