@@ -75,10 +75,14 @@ def status(c, recipe=None, set=None):
     print(cli.table(cli.call(api.status, cli.flags(recipe, set))))
 
 
-@task(iterable=["set"], help=_h(dry=False, worker="show the worker's log instead of the head's", lines="how many lines (50)"))
-def logs(c, recipe=None, set=None, worker=False, lines=50):
-    """Show the head's (or the worker's) serving log."""
+@task(iterable=["set"], help=_h(dry=False, worker="show the worker's log instead of the head's", lines="how many lines (50)",
+                                memory="summarize both ranks' memory lines: low-water MemAvailable and its phase"))
+def logs(c, recipe=None, set=None, worker=False, lines=50, memory=False):
+    """Show the head's (or the worker's) serving log, or (--memory) both ranks' memory summary."""
     api, cli = _d()
+    if memory:
+        print(cli.call(api.memory_summary, cli.flags(recipe, set)))
+        return
     print(cli.call(api.logs, cli.flags(recipe, set), worker_rank=worker, lines=int(lines)))
 
 
@@ -144,17 +148,26 @@ def smoke(c, url=None, api_key=None, tool_choice="auto", image=None, recipe=None
     _client("smoke", url=url, api_key=api_key, tool_choice=tool_choice, image=image, recipe=recipe)
 
 
-@task(help={**_URL_HELP, "lengths": "prefill prompt lengths in tokens, comma-separated (1024,8192,32768)",
+@task(iterable=["set"], help={**_URL_HELP, "lengths": "prefill prompt lengths in tokens, comma-separated (1024,8192,32768)",
+            "set": "with --long: a deploy setting KEY=VALUE (repeatable), as for deploy",
             "kinds": "prompt kinds: prose,code", "concurrency": "decode streams at once, comma-separated (1,2,4)",
             "decode_tokens": "tokens per decode stream (256)", "decode_prompt_tokens": "prompt of a decode stream (256)",
             "out": "folder for the JSON, markdown and PNG (bench/results/serve)",
             "compare": "a previous bench JSON: print the change of every metric",
-            "no_vllm_extensions": "do not send ignore_eos/continuous_usage_stats (non-vLLM servers)"})
+            "no_vllm_extensions": "do not send ignore_eos/continuous_usage_stats (non-vLLM servers)",
+            "long": "instead: the long-prefill check (the longest prompt MAX_MODEL_LEN allows, MemAvailable "
+                    "low-water on both nodes, a warning under the memory guard threshold + margin)",
+            "max_model_len": "with --long: the prompt limit to use (default: MAX_MODEL_LEN of the config)"})
 def bench(c, url=None, api_key=None, lengths="1024,8192,32768", kinds="prose,code", concurrency="1,2,4",
           decode_tokens=256, decode_prompt_tokens=256, out="bench/results/serve", compare=None,
-          no_vllm_extensions=False, recipe=None):
+          no_vllm_extensions=False, recipe=None, long=False, max_model_len=None, set=None):
     """Prefill tok/s (prompt / TTFT, exact lengths via /tokenize) and decode tok/s per stream and aggregate at
-    1, 2, 4 streams against an OpenAI-compatible server."""
+    1, 2, 4 streams against an OpenAI-compatible server; --long: the long-prefill memory check."""
+    if long:
+        _, cli = _d()
+        _client("bench_long", url=url, api_key=api_key, flags=cli.flags(recipe, set), max_model_len=max_model_len,
+                out=out)
+        return
     _client("bench", url=url, api_key=api_key, lengths=lengths, kinds=kinds, concurrency=concurrency,
             decode_tokens=decode_tokens, decode_prompt_tokens=decode_prompt_tokens, out=out, compare=compare,
             no_vllm_extensions=no_vllm_extensions, recipe=recipe)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from twinspark.memory import hooks, memlog
 from twinspark.memory.meminfo import GIB, read_meminfo
 from twinspark.memory.pagecache import drop_files

@@ -75,9 +75,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from twinspark.paths import project_root
+
 L2_COLD_BYTES = 256 * 1024 * 1024  # >= 4x the largest L2 we run on (H200: 60 MB)
 _SLEEP_HZ = 2.0e9  # torch.cuda._sleep counts GPU cycles; >= the fastest SM clock we run on (H200 boost 1.98 GHz)
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = project_root()
 ANCHORS_PATH = REPO_ROOT / "bench" / "anchors_h200.json"
 
 

@@ -6,7 +6,6 @@ import itertools
 import time
 
 import pytest
-
 from twinspark.client.longprefill import MemSampler, _mem_available
 from twinspark.memory.meminfo import GIB
 

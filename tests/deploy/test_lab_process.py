@@ -93,6 +93,16 @@ def test_deploy_rsync_process_smoke_status_logs_stop(lab, lab_flags):
         assert lg.returncode == 0 and "headless" in lg.stdout.lower(), lg.stdout[-2000:]
         lh = invoke("logs", flags)
         assert lh.returncode == 0 and "/v1/chat/completions" in lh.stdout
+        # the plugin's memory hooks wrote per-phase lines into both ranks' serving logs
+        mem = invoke("logs", flags, "--memory")
+        assert mem.returncode == 0, mem.stderr
+        assert "rank 0: low-water MemAvailable" in mem.stdout and "rank 1: low-water MemAvailable" in mem.stdout, \
+            mem.stdout
+        # the long-prefill check samples MemAvailable on both hosts (the worker over SSH) while it prefills
+        lp = invoke("bench", flags, "--long", "--out", flags["STATE_DIR"])
+        assert lp.returncode == 0, lp.stdout + lp.stderr[-2000:]
+        assert "head: low-water MemAvailable" in lp.stdout and "worker: low-water MemAvailable" in lp.stdout, \
+            lp.stdout
 
         # A second sync finds the marker and copies nothing.
         again = invoke("sync", flags)

@@ -16,7 +16,9 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_PATH = Path(__file__).resolve().parents[3] / "configs" / "allreduce.json"
+from twinspark.paths import project_root
+
+DEFAULT_PATH = project_root() / "configs" / "allreduce.json"
 # Used only when the table has no entry for a (transport, world, device): small enough that the one-shot kernel
 # wins on every fabric we know (its cost grows with world * size, NCCL's stays flat), until tuning says otherwise.
 FALLBACK_CROSSOVER = 64 * 1024

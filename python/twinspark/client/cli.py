@@ -98,6 +98,43 @@ def bench(url=None, api_key=None, lengths="1024,8192,32768", kinds="prose,code",
     return 0
 
 
+def bench_long(url=None, api_key=None, flags=None, max_model_len=None, out="bench/results/serve") -> int:
+    """The long-prefill check: the longest prompt the configuration allows, MemAvailable sampled on both nodes
+    (the worker over SSH), low-water marks and warnings; JSON into `out`."""
+    import json
+
+    from twinspark.client.longprefill import run_long
+    from twinspark.deploy import config
+    from twinspark.deploy.hosts import make_hosts
+
+    try:
+        s, _ = config.load(dict(flags or {}))
+    except Exception as e:  # noqa: BLE001 - the deploy config's own sentence
+        raise Failed(f"the long-prefill check needs the deploy config ({e})") from None
+    from twinspark.deploy import apikey
+
+    url = url or f"http://{s.head_ip}:{s.api_port}"
+    api_key = resolve_api_key(api_key, apikey.key_path(s.state_dir))
+    head, worker = make_hosts(s)
+    readers = {"head": lambda: Path("/proc/meminfo").read_text(),
+               "worker": lambda: worker.run("cat /proc/meminfo", changes=False, timeout=10).stdout}
+    try:
+        with Api(url, api_key=api_key) as api:
+            doc = run_long(api, int(max_model_len or s.max_model_len), readers, s.memguard_min_gib)
+    except ClientError as e:
+        raise Failed(str(e)) from None
+    finally:
+        worker.close()
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ("long-prefill-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S") + ".json")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(path)
+    print(f"written: {path}")
+    return 1 if doc["warnings"] else 0
+
+
 def _budget(model_dir, tp, kv_bytes, kv_token_bytes, max_model_len, engram_dir, mem_available_gib, kv_dtype):
     from twinspark.client import budget as bg
 

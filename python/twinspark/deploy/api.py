@@ -173,6 +173,23 @@ def logs(flags: dict, worker_rank: bool = False, lines: int = 50) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def memory_summary(flags: dict) -> str:
+    """Both ranks' memory lines (twinspark.memory.memlog, written by the plugin's hooks into the serving logs):
+    each rank's MemAvailable low-water mark and the phase that set it."""
+    from twinspark.memory import memlog
+
+    s, _, head, worker = _setup(flags, False)
+    rec = state.load(s.state_dir)
+    rt = _runtime_for(rec, head, worker, s)
+    records = []
+    for rank in ("head", "worker"):
+        info = rec["ranks"].get(rank)
+        if info:
+            records += memlog.parse(rt.read_log(rank, info, 0, rt.log_size(rank, info)))
+    worker.close()
+    return memlog.format_summary(memlog.summarize(records))
+
+
 def stop(flags: dict, dry_run: bool = False) -> str:
     s, _, head, worker = _setup(flags, dry_run)
     rec = state.load(s.state_dir, required=False)

@@ -25,6 +25,7 @@ from pydantic_settings import (
 )
 
 from twinspark.deploy.errors import DeployError
+from twinspark.paths import project_root
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,7 +34,7 @@ else:  # pragma: no cover - py3.10 only
 
 MAX_CONTEXT = 1_048_576
 EFFORT_NAMES = {"low": 50, "high": 75, "max": 100}
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = project_root()
 CONFIG_DIR = Path(os.environ.get("TWINSPARK_CONFIG_DIR", REPO_ROOT / "configs"))
 SOURCES = ("flag", "environment", ".env", "recipe", "default")
 
