@@ -5,6 +5,7 @@ stop; the same deployment notices a killed worker rank within 15 s. Root + vllm-
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -98,6 +99,10 @@ def test_deploy_rsync_process_smoke_status_logs_stop(lab, lab_flags):
         assert mem.returncode == 0, mem.stderr
         assert "rank 0: low-water MemAvailable" in mem.stdout and "rank 1: low-water MemAvailable" in mem.stdout, \
             mem.stdout
+        # DROP_PAGE_CACHE (default on): both ranks dropped the weight files' pages after loading
+        drops = re.findall(r"^rank (\d): .*page cache ([0-9.]+) -> ([0-9.]+) GiB", mem.stdout, re.M)
+        assert sorted(r for r, _, _ in drops) == ["0", "1"], mem.stdout
+        assert all(float(after) < float(before) for _, before, after in drops), mem.stdout
         # the long-prefill check samples MemAvailable on both hosts (the worker over SSH) while it prefills
         lp = invoke("bench", flags, "--long", "--out", flags["STATE_DIR"])
         assert lp.returncode == 0, lp.stdout + lp.stderr[-2000:]

@@ -118,6 +118,12 @@ def test_preflight_unreachable_worker_and_restart_dry_run(lab, tmp_path):
     for line in ("preflight ok   head address is local", "preflight ok   key SSH to worker",
                  "preflight NOTE RoCE GID on worker", "preflight ok   weights complete", "preflight ok   memory on worker"):
         assert line in ok.stderr, (line, ok.stderr)
+    # boot margin: MemAvailable < per-rank weights + margin on either node refuses to start, naming node and numbers
+    big = invoke("deploy", {**flags, "BOOT_MARGIN_GIB": "100000"}, "--dry-run", timeout=60)
+    assert big.returncode == 1, big.stderr
+    for node in ("head", "worker"):
+        assert re.search(rf"MemAvailable on the {node} is [0-9.]+ GiB but a rank needs [0-9.]+ GiB of weights \+ "
+                         r"BOOT_MARGIN_GIB=100000", big.stderr), big.stderr[-3000:]
     rs = invoke("restart", flags, "--skip-sync", "--dry-run", timeout=60)
     assert rs.returncode == 0, rs.stderr
     assert "[dry-run] head: rsync" not in rs.stderr and "[dry-run] worker: start" in rs.stderr and "[dry-run] head: start" in rs.stderr

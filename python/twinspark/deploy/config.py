@@ -128,6 +128,10 @@ class Settings(BaseSettings):
     memguard: bool = Field(False, description="stop the own serving rank when MemAvailable stays low")
     memguard_min_gib: float = Field(1.5, description="memory guard threshold in GiB")
     boot_margin_gib: float = Field(12.0, description="MemAvailable needed above the per-rank weight bytes")
+    drop_page_cache: bool = Field(True, description="after loading, drop the weight files' page cache on both nodes")
+    release_tokens: int = Field(512, ge=1, description="allocator release between prefill chunks of >= this many tokens")
+    release_below_gib: float = Field(24.0, description="release between chunks only while MemAvailable is below this many GiB")
+    long_prefill_tokens: int = Field(8192, ge=1, description="release once after a prefill of >= this many tokens")
 
     # ------------------------------------------------------------------ validators
     @field_validator("vllm_env", "head_env", "worker_env", mode="before")

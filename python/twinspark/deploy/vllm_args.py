@@ -59,7 +59,8 @@ def vllm_argv(s: Settings, rank: str, model_dir: str) -> list[str]:
 
 
 def rank_env(s: Settings, rank: str) -> dict[str, str]:
-    """Per-rank fabric variables (NCCL/GLOO interface, HCA, GID index, VLLM_HOST_IP) plus the user's extras."""
+    """Per-rank fabric variables (NCCL/GLOO interface, HCA, GID index, VLLM_HOST_IP), the memory hooks' settings,
+    plus the user's extras."""
     ip, ifname, hcas, gid = (
         (s.head_ip, s.head_ifname, s.head_hcas, s.head_gid_index) if rank == "head"
         else (s.worker_ip, s.worker_ifname, s.worker_hcas, s.worker_gid_index)
@@ -69,4 +70,9 @@ def rank_env(s: Settings, rank: str) -> dict[str, str]:
         env |= {"NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
     if hcas:
         env |= {"NCCL_IB_HCA": hcas, "NCCL_IB_GID_INDEX": str(gid)}
+    # twinspark.memory hooks inside vLLM (see twinspark.memory.hooks): page-cache drop and allocator release
+    model_dir = s.model_dir if rank == "head" else (s.worker_model_dir or s.model_dir)
+    env |= {"TWINSPARK_DROP_PAGE_CACHE": "1" if s.drop_page_cache else "0", "TWINSPARK_MODEL_DIR": str(model_dir),
+            "TWINSPARK_RELEASE_TOKENS": str(s.release_tokens), "TWINSPARK_RELEASE_BELOW_GIB": str(s.release_below_gib),
+            "TWINSPARK_LONG_PREFILL_TOKENS": str(s.long_prefill_tokens)}
     return env | s.vllm_env | (s.head_env if rank == "head" else s.worker_env)

@@ -53,6 +53,7 @@ class RankSummary:
     low_phase: str  # the phase whose line saw it
     phases: tuple[str, ...]
     releases: int
+    page_cache: tuple[int, int, str] | None = None  # Cached before, after, note of the page-cache drop
 
 
 def summarize(records: list[dict]) -> list[RankSummary]:
@@ -63,8 +64,10 @@ def summarize(records: list[dict]) -> list[RankSummary]:
     for rank, recs in sorted(by_rank.items()):
         low = min(recs, key=lambda r: r["mem_available"])
         seen = tuple(dict.fromkeys(r["phase"] for r in recs))
+        drop = next((r for r in recs if r["phase"] == "page_cache_dropped"), None)
+        pc = (drop["cached_before"], drop["cached_after"], drop.get("note", "")) if drop else None
         out.append(RankSummary(rank, len(recs), low["mem_available"], low["phase"], seen,
-                               sum(1 for r in recs if r["phase"] == "release")))
+                               sum(1 for r in recs if r["phase"] == "release"), pc))
     return out
 
 
@@ -72,5 +75,7 @@ def format_summary(summaries: list[RankSummary]) -> str:
     if not summaries:
         return "no memory lines found (is the twinspark plugin loaded in the serving processes?)"
     rows = [f"rank {s.rank}: low-water MemAvailable {s.low_water / GIB:.2f} GiB at '{s.low_phase}'; "
-            f"{s.lines} lines, {s.releases} allocator releases; phases: {', '.join(s.phases)}" for s in summaries]
+            f"{s.lines} lines, {s.releases} allocator releases; phases: {', '.join(s.phases)}"
+            + (f"; page cache {s.page_cache[0] / GIB:.3f} -> {s.page_cache[1] / GIB:.3f} GiB ({s.page_cache[2]})"
+               if s.page_cache else "") for s in summaries]
     return "\n".join(rows)
