@@ -6,10 +6,6 @@ from __future__ import annotations
 from invoke import Collection, Exit, task
 
 
-def _not_yet(name: str, issue: str):
-    raise Exit(f"'invoke {name}' is not implemented yet ({issue}); nothing was done.", code=2)
-
-
 # --- deploy suite (issue 9): library in twinspark.deploy, flags documented in twinspark.deploy.cli ------------
 def _d():
     from twinspark.deploy import api, cli

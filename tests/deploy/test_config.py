@@ -152,3 +152,17 @@ def test_invoke_config_prints_value_and_source(tmp_path):
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().startswith("MAX_MODEL_LEN='9999999' (from flag) is invalid")
+
+
+def test_fabric_auto_refuses_a_loopback_head_address():
+    """Detection runs for real on this host: 127.0.0.1 sits on lo, which NCCL cannot use."""
+    from twinspark.deploy import api
+    from twinspark.deploy.errors import DeployError
+    from twinspark.deploy.hosts import make_hosts
+
+    s, where = config.load({"HEAD_IP": "127.0.0.1", "WORKER_IP": "127.0.0.2"}, env_file=None)
+    head, worker = make_hosts(s, dry_run=True)
+    with pytest.raises(DeployError, match=r"The head address 127\.0\.0\.1 on lo is not a fabric address: loopback"):
+        api.apply_fabric(s, where, head, worker)
+    s2, where2 = config.load({"HEAD_IP": "127.0.0.1", "HEAD_IFNAME": "lo"}, env_file=None)
+    assert api.apply_fabric(s2, where2, head, worker) is s2  # a user-set fabric key turns detection off

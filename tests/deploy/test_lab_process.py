@@ -56,7 +56,8 @@ def _teardown(lab, flags):
 
 
 def test_deploy_rsync_process_smoke_status_logs_stop(lab, lab_flags):
-    flags = lab_flags
+    # no *_IFNAME given: deploy detects the fabric on both hosts (FABRIC_AUTO) and picks the lab's veth pair
+    flags = {k: v for k, v in lab_flags.items() if not k.endswith("_IFNAME")}
     try:
         dry = invoke("deploy", flags, "--dry-run")
         assert dry.returncode == 0, dry.stderr
@@ -69,6 +70,9 @@ def test_deploy_rsync_process_smoke_status_logs_stop(lab, lab_flags):
         assert r.returncode == 0, r.stdout + r.stderr[-3000:]
         assert "serving tiny" in r.stdout
         assert "rsync: copied" in r.stderr
+        # fabric auto-detection on both hosts: no RDMA in the lab -> a clear socket-transport notice per node
+        for node, ip in (("head", flags["HEAD_IP"]), ("worker", flags["WORKER_IP"])):
+            assert f"fabric: no RDMA device for {ip} on the {node}" in r.stderr, r.stderr[-3000:]
         assert (Path(flags["WORKER_MODEL_DIR"]) / "config.json").is_file()
 
         key_file = Path(flags["STATE_DIR"]) / "api-key"

@@ -54,9 +54,43 @@ def ship(flags: dict, dry_run: bool = False) -> str:
         worker.close()
 
 
+_FABRIC_KEYS = ("HEAD_IFNAME", "WORKER_IFNAME", "HEAD_HCAS", "WORKER_HCAS", "HEAD_GID_INDEX", "WORKER_GID_INDEX")
+
+
+def apply_fabric(s, where: dict, head, worker):
+    """Fill the fabric keys from detection on both nodes (twinspark.deploy.fabric) unless the user set any of them
+    or FABRIC_AUTO is off. The configured HEAD_IP/WORKER_IP decide the interface; an address that detection
+    refuses (loopback alias, Wi-Fi, Tailscale, docker bridge) stops the deploy with the reason."""
+    if not s.fabric_auto or any(where.get(k, "default") != "default" for k in _FABRIC_KEYS):
+        return s
+    from twinspark.deploy import fabric as fb
+
+    update = {}
+    for host, role, ip in ((head, "head", s.head_ip), (worker, "worker", s.worker_ip)):
+        f = fb.detect_host(lambda cmd, h=host: h.run(cmd, changes=False, what="fabric snapshot").stdout)
+        cand = next((c for c in f.candidates if c.ipv4 == str(ip)), None)
+        if cand is None:
+            say(f"fabric: {ip} is not on a detected interface of the {role}; NCCL picks its interface itself")
+            continue
+        if not cand.ok:
+            raise DeployError(f"The {role} address {ip} on {cand.ifname} is not a fabric address: {cand.reason}; "
+                              f"set {role.upper()}_IP to the fabric port's address (see `invoke fabric --both`).")
+        update[f"{role}_ifname"] = cand.ifname
+        if cand.transport == "rdma" and cand.hcas:
+            update[f"{role}_hcas"] = ",".join(cand.hcas)
+            if cand.gid_index is not None:
+                update[f"{role}_gid_index"] = cand.gid_index
+            say(f"fabric: {role} uses {cand.ifname} ({', '.join(cand.hcas)}, RoCE v2 GID index {cand.gid_index})")
+        else:
+            say(f"fabric: no RDMA device for {ip} on the {role} ({f.notice or 'socket transport'}); "
+                f"NCCL and Gloo use sockets over {cand.ifname}")
+    return s.model_copy(update=update)
+
+
 def deploy(flags: dict, dry_run: bool = False, skip_preflight: bool = False) -> str:
-    s, _, head, worker = _setup(flags, dry_run)
+    s, where, head, worker = _setup(flags, dry_run)
     try:
+        s = apply_fabric(s, where, head, worker)
         old = state.load(s.state_dir, required=False)
         if old and old.get("status") in ("booting", "running") and not dry_run:
             rt = _runtime_for(old, head, worker, s)

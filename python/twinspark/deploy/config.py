@@ -61,6 +61,7 @@ class Settings(BaseSettings):
     ssh_port: int = Field(22, description="SSH port on the worker")
     ssh_key: Path | None = Field(None, description="private key for the worker (default: ssh's own choice)")
     ssh_options: str = Field("", description="extra ssh -o options, space-separated KEY=VALUE")
+    fabric_auto: bool = Field(True, description="detect *_IFNAME/*_HCAS/*_GID_INDEX on both nodes unless set")
     head_ifname: str = Field("", description="fabric interface on the head (NCCL/GLOO_SOCKET_IFNAME)")
     worker_ifname: str = Field("", description="fabric interface on the worker")
     head_hcas: str = Field("", description="NCCL_IB_HCA on the head (empty: let NCCL choose)")
