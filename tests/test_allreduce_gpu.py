@@ -204,9 +204,13 @@ class _Mps:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mps", [True, False], ids=["mps", "no-mps"])
-def test_two_processes_share_one_gpu_over_ipc(mps, tmp_path):
+@pytest.mark.parametrize("mps,gpus", [(True, 1), (False, 1), (False, 2)], ids=["mps", "no-mps", "two-gpus"])
+def test_two_processes_over_ipc(mps, gpus, tmp_path):
+    """Two ranks over real CUDA IPC: both on one GPU (with and without MPS), or one GPU each when two exist."""
     dev = _need_cuda()
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
+    devices = [f"cuda:{r}" for r in range(2)] if gpus == 2 else [f"cuda:{dev.index or 0}"] * 2
     env = dict(os.environ)
     daemon = None
     try:
@@ -220,7 +224,7 @@ def test_two_processes_share_one_gpu_over_ipc(mps, tmp_path):
         procs = []
         for r in range(2):
             cmd = [sys.executable, "-m", "twinspark.allreduce.selftest", "--rank", str(r), "--world", "2",
-                   "--store", store, "--transport", "ipc", "--device", f"cuda:{dev.index or 0}",
+                   "--store", store, "--transport", "ipc", "--device", devices[r],
                    "--timeout", "30", "--out", str(tmp_path / f"rank{r}.json")]
             procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp_path / f"rank{r}.log", "w"),
                                           stderr=subprocess.STDOUT, start_new_session=True))
