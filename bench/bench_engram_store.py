@@ -1,10 +1,13 @@
 """Engram row store on this machine's disk: cache-cold random rows/s from a multi-GB pack file.
 
-For each thread count (default 1, 8, 32, 96), in the same run and on the same file:
-  - fio: 4 KiB random reads, O_DIRECT, psync engine, numjobs = threads (queue depth = threads);
-  - twinspark: EngramStore.from_pack(threads=T, cache off), batches of random row ids (one ~4 KiB O_DIRECT read
-    per row; a row crossing a 4 KiB boundary, 6% of them, needs 8 KiB);
-  - plain Python: a ThreadPoolExecutor of T threads doing os.preadv of the same aligned blocks (O_DIRECT fd).
+For each thread count T (default 1, 8, 32, 96), in the same run and on the same file:
+  - twinspark: EngramStore.from_pack(threads=T, queue_depth=QD, cache off), batches of random row ids (one ~4 KiB
+    O_DIRECT read per row; a row crossing a 4 KiB boundary, 6% of them, needs 8 KiB); each thread keeps QD rows in
+    flight through io_uring or Linux AIO (the store's io_path; blocking pread, QD = 1, where neither works);
+  - fio: 4 KiB random reads, O_DIRECT, the same total outstanding I/O as the store: --numjobs=T --iodepth=QD with
+    the store's engine (io_uring, libaio; psync with iodepth 1 when the store is on its pread path);
+  - plain Python: a ThreadPoolExecutor of T threads doing os.preadv of the same aligned blocks (O_DIRECT fd), i.e.
+    T reads outstanding: what a straightforward Python implementation gets.
 Targets (issue 5): twinspark >= 70% of fio's IOPS, >= 5x plain Python. Also printed: CPU time per row (all
 threads of this process; fio's is not counted), which is what is left to compare once the disk is the limit, and
 the host and pinned bytes
@@ -14,7 +17,7 @@ The file is a synthetic layer (write_synthetic_checkpoint) packed with twinspark
 --dir (default /tmp) and deleted at the end, also on failure. O_DIRECT keeps the page cache out; a hypervisor's
 own cache below a virtual disk (if any) serves fio and the store alike.
 
-    python bench/bench_engram_store.py [--gib 6] [--threads 1,8,32,96] [--seconds 3]
+    python bench/bench_engram_store.py [--gib 6] [--threads 1,8,32,96] [--queue-depth 32] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -55,22 +58,28 @@ def make_pack_file(root: Path, gib: float) -> tuple[Path, int]:
     return result.path, result.header.rows
 
 
-def run_fio(path: Path, threads: int, seconds: float) -> float | None:
+FIO_ENGINES = {"io_uring": "io_uring", "aio": "libaio", "pread": "psync"}
+
+
+def run_fio(path: Path, threads: int, depth: int, io_path: str, seconds: float) -> float | None:
+    """fio 4k random reads with threads x depth outstanding, through the engine the store uses."""
     if shutil.which("fio") is None:
         return None
     cmd = ["fio", "--name=engram", f"--filename={path}", "--readonly", "--rw=randread", "--bs=4k", "--direct=1",
-           "--ioengine=psync", f"--numjobs={threads}", "--thread", "--group_reporting", "--time_based",
+           f"--ioengine={FIO_ENGINES[io_path]}", f"--iodepth={depth}", f"--numjobs={threads}", "--thread",
+           "--group_reporting", "--time_based",
            f"--runtime={seconds}", "--randrepeat=0", "--norandommap", "--output-format=json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, check=True).stdout
     return float(json.loads(out[out.index("{"):])["jobs"][0]["read"]["iops"])
 
 
-def run_store(path: Path, rows: int, threads: int, seconds: float,
-              io_mode: str = "auto") -> tuple[float, float, EngramStore]:
-    store = EngramStore.from_pack(path, threads=threads, cache_gib=0.0, io_mode=io_mode)
+def run_store(path: Path, rows: int, threads: int, seconds: float, io_mode: str = "auto", queue_depth: int = 32,
+              io_engine: str = "auto") -> tuple[float, float, EngramStore]:
+    store = EngramStore.from_pack(path, threads=threads, cache_gib=0.0, io_mode=io_mode, queue_depth=queue_depth,
+                                  io_engine=io_engine)
     if not store.direct and io_mode == "auto":
         store.drop_page_cache()
-    batch = max(1024, threads * 64)
+    batch = max(1024, threads * max(64, 2 * store.queue_depth))  # two batches pending keep every queue full
     rng = np.random.default_rng(threads)
     pending, done = [], 0
     c0, t0 = time.process_time(), time.perf_counter()
@@ -117,7 +126,10 @@ def run_python(path: Path, rows: int, threads: int, seconds: float, direct: bool
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=6.0, help="size of the pack file to read (GiB)")
-    ap.add_argument("--threads", default="1,8,32,96", help="comma-separated thread counts (= fio queue depth)")
+    ap.add_argument("--threads", default="1,8,32,96", help="comma-separated thread counts (= fio numjobs)")
+    ap.add_argument("--queue-depth", type=int, default=32, help="store rows in flight per thread (= fio iodepth)")
+    ap.add_argument("--engine", default="auto", choices=["auto", "io_uring", "aio", "pread"],
+                    help="store read path (fio follows it)")
     ap.add_argument("--seconds", type=float, default=3.0, help="measuring time per method and thread count")
     ap.add_argument("--dir", default="/tmp", help="where the temporary file goes (deleted afterwards)")
     args = ap.parse_args()
@@ -127,15 +139,24 @@ def main() -> None:
     records, lines = [], []
     try:
         path, rows = make_pack_file(root, args.gib)
+        probe = EngramStore.from_pack(path, threads=1, queue_depth=args.queue_depth, io_engine=args.engine)
+        io_path, depth = probe.io_path, probe.queue_depth
+        print(f"store read path: {io_path}, queue depth {depth} per thread, O_DIRECT "
+              f"{'yes' if probe.direct else 'no'}" + (f" ({probe.io_note})" if probe.io_note else "")
+              + f"; fio: --ioengine={FIO_ENGINES[io_path]} --iodepth={depth} --numjobs=T")
+        del probe
         for t in threads:
-            fio = run_fio(path, t, args.seconds)
-            ours, ours_cpu, store = run_store(path, rows, t, args.seconds)
+            fio = run_fio(path, t, depth, io_path, args.seconds)
+            ours, ours_cpu, store = run_store(path, rows, t, args.seconds, queue_depth=args.queue_depth,
+                                              io_engine=args.engine)
             py, py_cpu = run_python(path, rows, t, args.seconds)
-            lines.append((t, fio, ours, py, ours_cpu, py_cpu, store.direct, store.host_bytes))
+            lines.append((t, fio, ours, py, ours_cpu, py_cpu, store.io_path, store.queue_depth, store.host_bytes))
             for variant, rate in (("twinspark", ours), ("fio-4k", fio), ("python-preadv", py)):
                 if rate:
-                    records.append(bk.Record(op="engram_store", shape={"threads": t, "rows": 1}, median_us=1e6 / rate,
-                                             bytes=ALIGN, variant=variant, notes=f"{rate:,.0f} rows/s (IOPS)"))
+                    qd, how = (1, "preadv pool") if variant == "python-preadv" else (store.queue_depth, store.io_path)
+                    records.append(bk.Record(op="engram_store", shape={"threads": t, "queue_depth": qd, "rows": 1},
+                                             median_us=1e6 / rate, bytes=ALIGN, variant=variant,
+                                             notes=f"{rate:,.0f} rows/s (IOPS), {how}"))
             del store
         # Software ceiling: the first GiB of rows read once into the page cache, then buffered lookups of them, so
         # the disk is out of the picture and only the per-row cost of each method is left.
@@ -149,12 +170,14 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"{'threads':>7} {'fio 4k IOPS':>12} {'store rows/s':>13} {'% fio':>6} {'python rows/s':>14} "
-          f"{'x python':>9} {'CPU µs/row store':>17} {'python':>7} {'O_DIRECT':>8} {'host bytes':>11}")
-    for t, fio, ours, py, ours_cpu, py_cpu, direct, host in lines:
+    print(f"{'threads':>7} {'in flight':>9} {'fio 4k IOPS':>12} {'store rows/s':>13} {'% fio':>6} "
+          f"{'python rows/s':>14} {'x python':>9} {'CPU µs/row store':>17} {'python':>7} {'path':>8} "
+          f"{'host bytes':>11}")
+    for t, fio, ours, py, ours_cpu, py_cpu, path_t, qd, host in lines:
         pct = f"{100 * ours / fio:5.0f}%" if fio else "  n/a"
-        print(f"{t:>7} {fio or float('nan'):>12,.0f} {ours:>13,.0f} {pct:>6} {py:>14,.0f} {ours / py:>9.1f} "
-              f"{ours_cpu:>17.1f} {py_cpu:>7.1f} {'yes' if direct else 'no':>8} {host:>11,}")
+        print(f"{t:>7} {t * qd:>9} {fio or float('nan'):>12,.0f} {ours:>13,.0f} {pct:>6} {py:>14,.0f} "
+              f"{ours / py:>9.1f} {ours_cpu:>17.1f} {py_cpu:>7.1f} {path_t:>8} {host:>11,}")
+    print("in flight: store and fio reads outstanding (threads x queue depth); the Python pool has `threads`")
     (ws, ws_cpu), (wp, wp_cpu) = warm
     print(f"page-cache-warm (1 GiB of rows, buffered, {tw} threads): store {ws:,.0f} rows/s "
           f"({ws_cpu:.1f} CPU µs/row), python {wp:,.0f} rows/s ({wp_cpu:.1f} CPU µs/row): {ws / wp:.1f}x")
@@ -163,7 +186,7 @@ def main() -> None:
     cap = 8192 * 24  # one 8k-token prefill chunk: 24 hash heads -> 24 rows per token per layer
     print(f"pinned staging: {staging_pinned_bytes(1):,} bytes per row of capacity; {cap:,} rows (8k-token chunk, "
           f"one layer) = {staging_pinned_bytes(cap) / 2**20:.1f} MiB per stream; host: 8,192 bytes of I/O buffer per "
-          "thread + the RAM cache (cache_gib, off here)")
+          "thread and per row in flight + the RAM cache (cache_gib, off here)")
     bk.write_results("engram_store", records, machine={**bk.machine_info(), "cpus": os.cpu_count()})
 
 

@@ -33,7 +33,7 @@ void bind_engram_store(py::module_& m) {
   py::class_<Store, std::shared_ptr<Store>>(m, "EngramStore", "file-backed Engram rows (see engram_store.h)")
       .def(py::init([](const std::vector<std::tuple<std::string, int64_t, uint32_t, uint32_t, uint32_t>>& extents,
                        int64_t first_row, int64_t end_row, int threads, uint64_t cache_bytes,
-                       const std::string& io_mode) {
+                       const std::string& io_mode, int queue_depth, const std::string& io_engine) {
              std::vector<Extent> ex;
              for (const auto& t : extents) {
                Extent e;
@@ -41,10 +41,12 @@ void bind_engram_store(py::module_& m) {
                ex.push_back(e);
              }
              py::gil_scoped_release nogil;
-             return std::make_shared<Store>(std::move(ex), first_row, end_row, threads, cache_bytes, io_mode);
+             return std::make_shared<Store>(std::move(ex), first_row, end_row, threads, cache_bytes, io_mode,
+                                            queue_depth, io_engine);
            }),
            py::arg("extents"), py::arg("first_row"), py::arg("end_row"), py::arg("threads"), py::arg("cache_bytes"),
-           py::arg("io_mode"), "extents: [(path, base, stride, length, record_offset)]")
+           py::arg("io_mode"), py::arg("queue_depth") = 32, py::arg("io_engine") = "auto",
+           "extents: [(path, base, stride, length, record_offset)]")
       .def(
           "submit",
           [](Store& s, std::uintptr_t ids, bool ids_int32, int64_t n, std::uintptr_t weight, std::uintptr_t scale) {
@@ -56,6 +58,9 @@ void bind_engram_store(py::module_& m) {
           "start a lookup of host ids into host weight [n,256] / scale [n,8] buffers; returns an EngramBatch")
       .def("drop_page_cache", &Store::drop_page_cache)
       .def_property_readonly("direct", &Store::direct)
+      .def_property_readonly("io_path", &Store::io_path)
+      .def_property_readonly("queue_depth", &Store::queue_depth)
+      .def_property_readonly("io_note", &Store::io_note)
       .def_property_readonly("threads", &Store::threads)
       .def_property_readonly("first_row", &Store::first_row)
       .def_property_readonly("end_row", &Store::end_row)

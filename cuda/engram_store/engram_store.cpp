@@ -15,23 +15,12 @@ namespace twinspark {
 namespace engram {
 namespace {
 
-constexpr size_t kIoBufBytes = 2 * kDirectAlign;  // a record <= 264 bytes spans at most two aligned blocks
-
 std::string errno_text(int err) { return std::string(std::strerror(err)); }
 
-// pread until `len` bytes or EOF; returns bytes read or -errno.
-int64_t pread_full(int fd, void* buf, size_t len, int64_t off) {
-  size_t got = 0;
-  while (got < len) {
-    ssize_t r = ::pread(fd, static_cast<uint8_t*>(buf) + got, len - got, off + static_cast<int64_t>(got));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (r == 0) break;
-    got += static_cast<size_t>(r);
-  }
-  return static_cast<int64_t>(got);
+uint8_t* aligned_alloc_or_throw(size_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, kDirectAlign, bytes) != 0) throw std::bad_alloc();
+  return static_cast<uint8_t*>(p);
 }
 
 }  // namespace
@@ -106,7 +95,7 @@ void RowCache::put(int64_t id, const uint8_t* record) {
 
 // ---------------------------------------------------------------------------------------------------- Store
 Store::Store(std::vector<Extent> extents, int64_t first_row, int64_t end_row, int threads, uint64_t cache_bytes,
-             const std::string& io_mode)
+             const std::string& io_mode, int queue_depth, const std::string& io_engine)
     : first_row_(first_row), end_row_(end_row) {
   if (first_row < 0 || end_row <= first_row)
     throw std::invalid_argument("engram store: expected 0 <= first_row < end_row, got [" + std::to_string(first_row) +
@@ -115,6 +104,12 @@ Store::Store(std::vector<Extent> extents, int64_t first_row, int64_t end_row, in
     throw std::invalid_argument("engram store: expected 1..1024 threads, got " + std::to_string(threads));
   if (io_mode != "auto" && io_mode != "direct" && io_mode != "buffered")
     throw std::invalid_argument("engram store: io_mode must be auto, direct or buffered, got '" + io_mode + "'");
+  if (io_engine != "auto" && io_engine != "io_uring" && io_engine != "aio" && io_engine != "pread")
+    throw std::invalid_argument("engram store: io_engine must be auto, io_uring, aio or pread, got '" + io_engine +
+                                "'");
+  if (queue_depth < 1 || queue_depth > 1024)
+    throw std::invalid_argument("engram store: expected a queue_depth of 1..1024, got " +
+                                std::to_string(queue_depth));
   if (extents.empty()) throw std::invalid_argument("engram store: no extents");
   uint32_t covered = 0;
   for (const auto& e : extents) {
@@ -127,10 +122,15 @@ Store::Store(std::vector<Extent> extents, int64_t first_row, int64_t end_row, in
                                 std::to_string(kRecordBytes) + " record bytes");
   open_files(extents, io_mode);
   if (cache_bytes > 0) cache_ = std::make_unique<RowCache>(cache_bytes);
-  for (int i = 0; i < threads; ++i) {
-    void* p = nullptr;
-    if (posix_memalign(&p, kDirectAlign, kIoBufBytes) != 0) throw std::bad_alloc();
-    iobufs_.push_back(static_cast<uint8_t*>(p));
+  try {
+    select_io(io_engine, queue_depth, threads);
+  } catch (...) {
+    for (auto& io : io_) {
+      std::free(io.buf);
+      std::free(io.ring);
+    }
+    for (auto& f : files_) ::close(f.fd);
+    throw;
   }
   for (int i = 0; i < threads; ++i) workers_.emplace_back(&Store::worker, this, i);
 }
@@ -142,7 +142,11 @@ Store::~Store() {
   }
   qcv_.notify_all();
   for (auto& t : workers_) t.join();  // workers drain the queue first: no batch is left half written
-  for (auto* p : iobufs_) std::free(p);
+  for (auto& io : io_) {
+    io.queue.reset();
+    std::free(io.buf);
+    if (!io.keep_ring) std::free(io.ring);
+  }
   for (auto& f : files_) ::close(f.fd);
 }
 
@@ -206,7 +210,68 @@ void Store::drop_page_cache() {
   for (auto& f : files_) ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED);
 }
 
-uint64_t Store::host_bytes() const { return cache_bytes() + iobufs_.size() * kIoBufBytes; }
+uint64_t Store::host_bytes() const {
+  uint64_t bytes = cache_bytes();
+  for (const auto& io : io_) bytes += io.bytes;
+  return bytes;
+}
+
+std::string Store::io_note() const {
+  std::lock_guard<std::mutex> lk(note_m_);
+  return io_note_;
+}
+
+// Picks the read path: an asynchronous engine only with O_DIRECT (buffered reads would block in the kernel or
+// run on its worker threads), and only after a real read through it returned the bytes pread returns.
+void Store::select_io(const std::string& io_engine, int queue_depth, int threads) {
+  const bool explicit_engine = io_engine == "io_uring" || io_engine == "aio";
+  std::vector<std::string> engines;
+  if (io_engine == "auto") engines = {"io_uring", "aio"};
+  if (explicit_engine) engines = {io_engine};
+  if (!direct_ && !engines.empty()) {
+    if (explicit_engine)
+      throw std::runtime_error("engram store: io_engine='" + io_engine + "' needs O_DIRECT reads but " +
+                               files_.front().path + " is read buffered; use io_engine='auto' or 'pread'");
+    io_note_ = "buffered reads use blocking pread";
+    engines.clear();
+  }
+  if (io_engine == "pread") io_note_ = "pread chosen by io_engine";
+  const int sources = static_cast<int>(sources_.size());
+  for (const auto& engine : engines) {
+    std::unique_ptr<uint8_t, decltype(&std::free)> a(aligned_alloc_or_throw(kDirectAlign), &std::free);
+    std::unique_ptr<uint8_t, decltype(&std::free)> b(aligned_alloc_or_throw(kDirectAlign), &std::free);
+    std::string why;
+    std::vector<std::unique_ptr<ReadQueue>> queues;
+    if (probe_read_queue(engine, files_.front().fd, a.get(), b.get(), kDirectAlign, why)) {
+      for (int i = 0; i < threads; ++i) {
+        auto q = make_read_queue(engine, queue_depth * sources, why);
+        if (!q) break;
+        queues.push_back(std::move(q));
+      }
+    }
+    if (static_cast<int>(queues.size()) == threads) {
+      io_path_ = engine;
+      queue_depth_ = queue_depth;
+      for (int i = 0; i < threads; ++i) {
+        WorkerIo io;
+        io.queue = std::move(queues[i]);
+        io_.push_back(std::move(io));
+      }
+      break;
+    }
+    if (explicit_engine)
+      throw std::runtime_error("engram store: io_engine='" + engine + "' is unavailable here: " + why +
+                               "; use io_engine='auto' or 'pread'");
+    io_note_ += (io_note_.empty() ? "" : "; ") + why;
+  }
+  if (io_.empty()) io_.resize(threads);  // pread path
+  const size_t ring_bytes = io_path_ == "pread" ? 0 : static_cast<size_t>(queue_depth_) * sources * kIoBufBytes;
+  for (auto& io : io_) {
+    io.buf = aligned_alloc_or_throw(kIoBufBytes);
+    if (ring_bytes) io.ring = aligned_alloc_or_throw(ring_bytes);
+    io.bytes = kIoBufBytes + ring_bytes;
+  }
+}
 
 std::shared_ptr<Batch> Store::submit(const int64_t* ids64, const int32_t* ids32, int64_t n, uint8_t* weight,
                                      uint8_t* scale) {
@@ -231,32 +296,47 @@ std::shared_ptr<Batch> Store::submit(const int64_t* ids64, const int32_t* ids32,
   return b;
 }
 
+std::shared_ptr<Batch> Store::next_batch(bool block) {
+  std::unique_lock<std::mutex> lk(qm_);
+  if (block) qcv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+  return queue_.empty() ? nullptr : queue_.front();  // null when blocking: stop_ and drained
+}
+
+void Store::retire(const std::shared_ptr<Batch>& b) {
+  std::lock_guard<std::mutex> lk(qm_);
+  if (!queue_.empty() && queue_.front() == b) queue_.pop_front();
+}
+
+void Store::rows_finished(Batch& b, int64_t k) {
+  if (k == 0 || b.finished.fetch_add(k) + k != b.n) return;
+  {
+    std::lock_guard<std::mutex> lk(b.m);
+    b.done = true;
+  }
+  b.cv.notify_all();
+}
+
+void Store::fail_row(Batch& b, const std::string& error) {
+  std::lock_guard<std::mutex> lk(b.m);
+  if (b.error.empty()) b.error = error;
+}
+
+// Blocking path: one pread per extent of a row at a time.
 void Store::worker(int index) {
-  uint8_t* iobuf = iobufs_[index];
+  if (io_[index].queue) return async_worker(index);
+  uint8_t* iobuf = io_[index].buf;
   for (;;) {
-    std::shared_ptr<Batch> b;
-    {
-      std::unique_lock<std::mutex> lk(qm_);
-      qcv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and drained
-      b = queue_.front();
-    }
+    std::shared_ptr<Batch> b = next_batch(true);
+    if (!b) return;
     // Claim chunks of this batch with one atomic add each, without taking the queue lock again per chunk.
     for (;;) {
       const int64_t begin = b->next.fetch_add(b->chunk);
       if (begin >= b->n) break;
       const int64_t end = std::min(b->n, begin + b->chunk);
       run_rows(*b, begin, end, iobuf);
-      if (b->finished.fetch_add(end - begin) + (end - begin) == b->n) {
-        {
-          std::lock_guard<std::mutex> lk(b->m);
-          b->done = true;
-        }
-        b->cv.notify_all();
-      }
+      rows_finished(*b, end - begin);
     }
-    std::lock_guard<std::mutex> lk(qm_);
-    if (!queue_.empty() && queue_.front() == b) queue_.pop_front();
+    retire(b);
   }
 }
 
@@ -280,10 +360,12 @@ void Store::run_rows(Batch& b, int64_t begin, int64_t end, uint8_t* iobuf) {
     std::memcpy(b.weight + i * kWeightBytes, record, kWeightBytes);
     std::memcpy(b.scale + i * kScaleBytes, record + kWeightBytes, kScaleBytes);
   }
-  if (!error.empty()) {
-    std::lock_guard<std::mutex> lk(b.m);
-    if (b.error.empty()) b.error = error;
-  }
+  if (!error.empty()) fail_row(b, error);
+}
+
+std::string Store::read_error(const File& f, int64_t id, int64_t off, int64_t got) const {
+  return f.path + ": cannot read row " + std::to_string(id) + " at byte " + std::to_string(off) +
+         (got < 0 ? " (" + errno_text(static_cast<int>(-got)) + ")" : " (file ends early)");
 }
 
 bool Store::read_record(int64_t id, uint8_t* record, uint8_t* iobuf, std::string& error) {
@@ -297,18 +379,14 @@ bool Store::read_record(int64_t id, uint8_t* record, uint8_t* iobuf, std::string
       const size_t alen = static_cast<size_t>((head + s.e.length + kDirectAlign - 1) / kDirectAlign * kDirectAlign);
       const int64_t got = pread_full(f.fd, iobuf, alen, aoff);
       if (got < head + static_cast<int64_t>(s.e.length)) {
-        if (error.empty())
-          error = f.path + ": cannot read row " + std::to_string(id) + " at byte " + std::to_string(off) +
-                  (got < 0 ? " (" + errno_text(static_cast<int>(-got)) + ")" : " (file ends early)");
+        if (error.empty()) error = read_error(f, id, off, got);
         return false;
       }
       std::memcpy(record + s.e.record_off, iobuf + head, s.e.length);
     } else {
       const int64_t got = pread_full(f.fd, record + s.e.record_off, s.e.length, off);
       if (got < static_cast<int64_t>(s.e.length)) {
-        if (error.empty())
-          error = f.path + ": cannot read row " + std::to_string(id) + " at byte " + std::to_string(off) +
-                  (got < 0 ? " (" + errno_text(static_cast<int>(-got)) + ")" : " (file ends early)");
+        if (error.empty()) error = read_error(f, id, off, got);
         return false;
       }
     }

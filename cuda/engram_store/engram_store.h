@@ -7,7 +7,10 @@
 //
 // Reads: O_DIRECT with 4096-byte aligned offsets/lengths/buffers where the filesystem allows (checked by a real
 // read at open), buffered pread otherwise (tmpfs, some NFS mounts). A fixed thread pool serves batches; each
-// worker claims chunks of a batch with one atomic add. An optional set-associative RAM cache (8 ways, LRU inside a
+// worker claims chunks of a batch with one atomic add. With O_DIRECT each worker keeps up to queue_depth rows in
+// flight through Linux asynchronous I/O (io_uring, else Linux AIO: read_queue.h), so T threads keep T x depth
+// reads outstanding; where neither works (ENOSYS/EPERM in containers) or the files are read buffered, a worker
+// does one blocking pread at a time (io_path() says which). An optional set-associative RAM cache (8 ways, LRU inside a
 // set) holds hot rows. Errors (short file, EIO) never abort: the row is zeroed and the batch reports the first
 // error as text, which Python raises as one sentence.
 #pragma once
@@ -21,6 +24,8 @@
 #include <thread>
 #include <vector>
 
+#include "engram_store/read_queue.h"
+
 namespace twinspark {
 namespace engram {
 
@@ -28,6 +33,7 @@ constexpr uint32_t kWeightBytes = 256;
 constexpr uint32_t kScaleBytes = 8;
 constexpr uint32_t kRecordBytes = kWeightBytes + kScaleBytes;
 constexpr uint32_t kDirectAlign = 4096;  // O_DIRECT offset/length/buffer alignment (safe for 512e and 4Kn disks)
+constexpr size_t kIoBufBytes = 2 * kDirectAlign;  // a record <= 264 bytes spans at most two aligned blocks
 
 struct Extent {
   std::string path;
@@ -80,8 +86,11 @@ class RowCache {
 class Store {
  public:
   // io_mode: "auto" (O_DIRECT where it works), "direct" (fail if it does not), "buffered".
+  // io_engine: "auto" (io_uring, else aio, else pread), "io_uring" or "aio" (fail if unavailable or buffered),
+  // "pread" (blocking). queue_depth: rows in flight per worker thread on the asynchronous paths (each row is one
+  // read per extent: one for a pack file, two for the original shards).
   Store(std::vector<Extent> extents, int64_t first_row, int64_t end_row, int threads, uint64_t cache_bytes,
-        const std::string& io_mode);
+        const std::string& io_mode, int queue_depth = 32, const std::string& io_engine = "auto");
   ~Store();
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
@@ -91,10 +100,13 @@ class Store {
   void drop_page_cache();  // POSIX_FADV_DONTNEED on every file (cold-cache benchmarks of buffered mode)
 
   bool direct() const { return direct_; }
+  const std::string& io_path() const { return io_path_; }  // "io_uring", "aio" or "pread"
+  int queue_depth() const { return queue_depth_; }         // rows in flight per thread (1 on the pread path)
+  std::string io_note() const;  // why the path was chosen (fallback reasons), or empty
   int threads() const { return static_cast<int>(workers_.size()); }
   int64_t first_row() const { return first_row_; }
   int64_t end_row() const { return end_row_; }
-  uint64_t host_bytes() const;  // cache + per-thread I/O buffers
+  uint64_t host_bytes() const;  // cache + per-thread I/O buffers (8 KiB, plus 8 KiB per read in flight)
   uint64_t cache_bytes() const { return cache_ ? cache_->bytes() : 0; }
   uint64_t cache_hits() const { return hits_.load(); }
   uint64_t cache_misses() const { return misses_.load(); }
@@ -110,15 +122,33 @@ class Store {
     int file;  // index into files_
     Extent e;
   };
+  struct WorkerIo {
+    std::unique_ptr<ReadQueue> queue;  // null: blocking pread path
+    uint8_t* buf = nullptr;            // kIoBufBytes, aligned: blocking reads
+    uint8_t* ring = nullptr;           // queue_depth x sources x kIoBufBytes, aligned: asynchronous reads
+    uint64_t bytes = 0;
+    bool keep_ring = false;            // the queue failed with reads in flight: never free what they target
+  };
   void open_files(const std::vector<Extent>& extents, const std::string& io_mode);
+  void select_io(const std::string& io_engine, int queue_depth, int threads);
   void worker(int index);
+  void async_worker(int index);
+  std::shared_ptr<Batch> next_batch(bool block);
+  void retire(const std::shared_ptr<Batch>& b);
+  void rows_finished(Batch& b, int64_t k);
+  void fail_row(Batch& b, const std::string& error);
   void run_rows(Batch& b, int64_t begin, int64_t end, uint8_t* iobuf);
   bool read_record(int64_t id, uint8_t* record, uint8_t* iobuf, std::string& error);
+  std::string read_error(const File& f, int64_t id, int64_t off, int64_t got) const;
 
   std::vector<File> files_;
   std::vector<Source> sources_;
   int64_t first_row_, end_row_;
   bool direct_ = false;
+  std::string io_path_ = "pread";
+  int queue_depth_ = 1;
+  mutable std::mutex note_m_;
+  std::string io_note_;
   std::unique_ptr<RowCache> cache_;
   std::atomic<uint64_t> hits_{0}, misses_{0}, reads_{0};
 
@@ -127,7 +157,7 @@ class Store {
   std::deque<std::shared_ptr<Batch>> queue_;
   bool stop_ = false;
   std::vector<std::thread> workers_;
-  std::vector<uint8_t*> iobufs_;  // one aligned buffer per worker
+  std::vector<WorkerIo> io_;  // one per worker
 };
 
 }  // namespace engram

@@ -1,5 +1,7 @@
 """EngramStore: rows of one Engram layer served from files (original shards or a pack file) by the C++ store in
-twinspark._C (cuda/engram_store/): O_DIRECT where the filesystem allows, a thread pool, an optional RAM cache.
+twinspark._C (cuda/engram_store/): O_DIRECT where the filesystem allows, a thread pool whose threads each keep
+``queue_depth`` reads in flight through io_uring or Linux AIO (blocking pread where those are unavailable or the
+files are read buffered; ``io_path`` says which), an optional RAM cache.
 
 Two ways to look rows up:
 - ``store.lookup_async(ids)`` / ``store.lookup(ids)``: host ids -> host weight fp8 [n, 256] and scale uint8
@@ -8,8 +10,9 @@ Two ways to look rows up:
   memory, the fetch as a host function, the rows copied back, then the dequant kernel) and therefore capturable
   in a CUDA graph; a replay fetches the rows of whatever ids the buffer holds then.
 
-Memory: the cache and per-thread I/O buffers are ordinary host memory (``host_bytes``); each staging buffer is
-``capacity * 272`` pinned bytes (``pinned_bytes``). On GB10 both come out of the GPU's 128 GB.
+Memory: the cache and per-thread I/O buffers (8 KiB, plus 8 KiB per read in flight) are ordinary host memory
+(``host_bytes``); each staging buffer is ``capacity * 272`` pinned bytes (``pinned_bytes``). On GB10 both come out
+of the GPU's 128 GB.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from twinspark.engram.pack import PackHeader, read_pack_header
 from twinspark.engram.source import SCALE_BYTES, WEIGHT_BYTES, locate
 
 IO_MODES = ("auto", "direct", "buffered")
+IO_ENGINES = ("auto", "io_uring", "aio", "pread")
 PINNED_BYTES_PER_ROW = 8 + WEIGHT_BYTES + SCALE_BYTES  # id + weight + scale
 
 
@@ -75,21 +79,28 @@ class EngramStore:
     """Rows [first_row, end_row) of one Engram layer, read from `extents` (see cuda/engram_store/engram_store.h).
 
     Prefer the constructors ``from_checkpoint`` (original shards: two reads per row) and ``from_pack`` (a pack
-    file: one read per row). threads: I/O threads (about the device's useful queue depth); cache_gib: RAM cache
-    (0 = off); io_mode: "auto" (O_DIRECT where it works), "direct" or "buffered".
+    file: one read per row). threads: I/O threads; queue_depth: rows each thread keeps in flight on the
+    asynchronous paths (threads x queue_depth reads outstanding for a pack file, twice that for the shards);
+    cache_gib: RAM cache (0 = off); io_mode: "auto" (O_DIRECT where it works), "direct" or "buffered";
+    io_engine: "auto" (io_uring, else Linux AIO, else blocking pread; asynchronous only with O_DIRECT),
+    "io_uring" or "aio" (refused when unavailable or buffered) or "pread".
     """
 
     def __init__(self, extents, first_row: int, end_row: int, *, threads: int = 16, cache_gib: float = 0.0,
-                 io_mode: str = "auto"):
+                 io_mode: str = "auto", queue_depth: int = 32, io_engine: str = "auto"):
         if io_mode not in IO_MODES:
             raise EngramError(f"Engram store: io_mode must be one of {IO_MODES}, got {io_mode!r}")
+        if io_engine not in IO_ENGINES:
+            raise EngramError(f"Engram store: io_engine must be one of {IO_ENGINES}, got {io_engine!r}")
         if not 1 <= int(threads) <= 1024:
             raise EngramError(f"Engram store: threads must be 1..1024, got {threads}")
+        if not 1 <= int(queue_depth) <= 1024:
+            raise EngramError(f"Engram store: queue_depth must be 1..1024, got {queue_depth}")
         if cache_gib < 0:
             raise EngramError(f"Engram store: cache_gib must be >= 0 (0 = off), got {cache_gib}")
         try:
             self._c = _ext.module().EngramStore(list(extents), int(first_row), int(end_row), int(threads),
-                                                int(cache_gib * 2**30), io_mode)
+                                                int(cache_gib * 2**30), io_mode, int(queue_depth), io_engine)
         except (RuntimeError, ValueError) as exc:
             raise EngramError(str(exc)) from None
         self._staging: list[EngramStaging] = []
@@ -144,10 +155,14 @@ class EngramStore:
     first_row = property(lambda self: self._c.first_row)
     end_row = property(lambda self: self._c.end_row)
     direct = property(lambda self: self._c.direct, doc="True when reads use O_DIRECT")
+    io_path = property(lambda self: self._c.io_path, doc='"io_uring", "aio" or "pread" (blocking, one read per '
+                       'thread)')
+    queue_depth = property(lambda self: self._c.queue_depth, doc="rows in flight per thread (1 on the pread path)")
+    io_note = property(lambda self: self._c.io_note, doc="why this path (fallback reasons), empty when none")
     threads = property(lambda self: self._c.threads)
     cache_hits = property(lambda self: self._c.cache_hits)
     cache_misses = property(lambda self: self._c.cache_misses)
-    reads = property(lambda self: self._c.reads, doc="pread calls so far (one per extent per missed row)")
+    reads = property(lambda self: self._c.reads, doc="file reads so far (one per extent per missed row)")
     host_bytes = property(lambda self: self._c.host_bytes, doc="cache + I/O buffers (ordinary host memory)")
     cache_bytes = property(lambda self: self._c.cache_bytes)
 
