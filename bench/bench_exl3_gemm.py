@@ -10,6 +10,7 @@ Writes exl3_gemm.json (benchkit) and exl3_gemm.png (time vs m per shape with bf1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -62,28 +63,32 @@ def _layers(k, n, K, dev, gen):
     return [Exl3Layer(t, base.suh, base.svh, float(K), "mul1") for (t,) in ring], ring.bytes_per_set
 
 
-def _time(layers, x, out, variant=None, iters=30):
-    old = os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
-    if variant:
-        os.environ["TWINSPARK_EXL3_GEMM_VARIANT"] = variant
+@contextlib.contextmanager
+def _env(**values):
+    """Set TWINSPARK_EXL3_GEMM_<NAME> variables (None: leave as is) for the duration; restore them after."""
+    keys = {f"TWINSPARK_EXL3_GEMM_{k.upper()}": v for k, v in values.items() if v is not None}
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
     try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _time(layers, x, out, variant=None, iters=30, prep=None):
+    with _env(variant=variant, prep=prep):
         return bk.time_cuda(lambda L: exl3_gemm(x, L, out=out), args=[(L,) for L in layers], warmup=5,
                             iters=iters)
-    finally:
-        if variant:
-            if old is None:
-                os.environ.pop("TWINSPARK_EXL3_GEMM_VARIANT", None)
-            else:
-                os.environ["TWINSPARK_EXL3_GEMM_VARIANT"] = old
 
 
-def _time_graph(layers, x, out, variant=None, replays=7) -> float:
+def _time_graph(layers, x, out, variant=None, replays=7, prep=None) -> float:
     """µs per call with the host out of the picture: one CUDA graph holding a call per ring entry (L2-cold),
     replayed; median replay time / calls."""
-    old = os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
-    if variant:
-        os.environ["TWINSPARK_EXL3_GEMM_VARIANT"] = variant
-    try:
+    with _env(variant=variant, prep=prep):
         exl3_gemm(x, layers[0], out=out)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -93,12 +98,6 @@ def _time_graph(layers, x, out, variant=None, replays=7) -> float:
         t = bk.time_cuda(g.replay, warmup=2, iters=replays)
         del g
         return t.median_us / len(layers)
-    finally:
-        if variant:
-            if old is None:
-                os.environ.pop("TWINSPARK_EXL3_GEMM_VARIANT", None)
-            else:
-                os.environ["TWINSPARK_EXL3_GEMM_VARIANT"] = old
 
 
 def main(argv=None) -> int:
@@ -172,7 +171,8 @@ def main(argv=None) -> int:
 
 
 def sweep_split(dev, gen, copy) -> list[bk.Record]:
-    """m=1 and m=16, K=2: time vs the split-k target (blocks per SM) — the table's BLOCKS_PER_SM comes from this."""
+    """K=2: time vs the split-k target (blocks per SM) at m=1 and 64 — the table's BLOCKS_PER_SM comes from
+    this — and with x' made per strip vs by the prep kernel at m=16, 32, 64 (PREP_GROUPS)."""
     og = sys.modules["twinspark.ops.exl3_gemm"]  # (the package attribute of that name is the function)
 
     recs = []
@@ -192,6 +192,18 @@ def sweep_split(dev, gen, copy) -> list[bk.Record]:
                     row.append(f"{bps}:{t.median_us:.1f}/{tg:.1f}")
                     recs.append(bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": 2, "m": m}, timing=t,
                                           bytes=tbytes, variant=f"small bps={bps} (sweep)"))
+                print(f"{k}x{n} m={m}: " + "  ".join(row), flush=True)
+            og.BLOCKS_PER_SM = keep
+            for m in (16, 32, 64):  # x' per strip (prep 0) vs once by the prep kernel (prep 1): PREP_GROUPS
+                x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
+                out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+                row = []
+                for prep in ("0", "1"):
+                    t = _time(layers, x, out, "small", iters=20, prep=prep)
+                    tg = _time_graph(layers, x, out, "small", replays=5, prep=prep)
+                    row.append(f"prep={prep}:{t.median_us:.1f}/{tg:.1f}")
+                    recs.append(bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": 2, "m": m}, timing=t,
+                                          bytes=tbytes, variant=f"small prep={prep} (sweep)"))
                 print(f"{k}x{n} m={m}: " + "  ".join(row), flush=True)
             del layers
     finally:

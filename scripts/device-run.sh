@@ -4,7 +4,7 @@
 #   scripts/device-run.sh [-t "tests/test_a.py tests/test_b.py"] [-k PYTEST_K] [-b "exl3 moe"] [-B "bench args"]
 #                         [--no-build] [--archs 90a]
 #
-#   -t  test files/node ids for `pytest -m gpu` (default: none; "all" = tests/)
+#   -t  test files/node ids for `pytest -m gpu` (default: none; "all" = tests/test_*.py)
 #   -k  pytest -k expression          -b  benchmark names for bench/run.py (default: none)
 #   -B  extra args for the bench files (run directly, not through bench/run.py; e.g. "--quick")
 # Logs: $OUT/build.log, $OUT/tests.log, $OUT/bench.log; bench results (JSON, PNG, report.md) in $OUT/bench/.
@@ -44,7 +44,7 @@ if [ $BUILD -eq 1 ]; then
 fi
 
 if [ -n "$TESTS" ]; then
-  [ "$TESTS" = all ] && TESTS=tests
+  [ "$TESTS" = all ] && TESTS="tests/test_*.py"  # GPU tests live at the top level (tests/deploy needs the deploy extras)
   # shellcheck disable=SC2086
   python3 -m pytest -m gpu $TESTS ${KEXPR:+-k "$KEXPR"} -q -rfEs --durations=15 --timeout=300 -p no:cacheprovider \
     2>&1 | tee "$OUT/tests.log" || fail 20

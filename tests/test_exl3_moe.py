@@ -227,6 +227,17 @@ def test_kernel_matches_reference(T, top_k, gen, cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splitk", [1, 3, 7, 40])
+def test_kernel_forced_splits(splitk, gen, cuda, monkeypatch):
+    """Decode with gate/up split over H at every kind of part size (40 k-blocks: one chunk of A, several, parts
+    of one k-block), at the model's dimensions."""
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SPLITK", str(splitk))
+    for T, top_k in ((1, 6), (3, 4), (8, 8)):
+        got, want = _gpu_case(cuda, gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3)))
+        assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} splitk={splitk}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("top_k", [3, 4, 5, 7])
 def test_kernel_other_top_k(top_k, gen, cuda):
     got, want = _gpu_case(cuda, gen, 5, top_k)

@@ -86,10 +86,10 @@ __device__ __forceinline__ uint32_t decode_pair_at(uint32_t a0, uint32_t a1, uin
   return decode_pair<CB>(take16<BASE + 2 * P * K>(a0, a1, a2), take16<BASE + (2 * P + 1) * K>(a0, a1, a2));
 }
 
-// Decode this lane's 8 positions of one tile. `tile` = the tile's 8K u32 words (shared or global memory).
+// Decode this lane's 8 positions of one tile from its three window words (tile[lw.w0], tile[lw.w1], tile[lw.w2]).
 template <int K, int CB>
-__device__ __forceinline__ void decode_lane(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&pair)[4]) {
-  const uint32_t w0 = tile[lw.w0], w1 = tile[lw.w1], w2 = tile[lw.w2];
+__device__ __forceinline__ void decode_lane_words(uint32_t w0, uint32_t w1, uint32_t w2, const LaneWindow<K>& lw,
+                                                  uint32_t (&pair)[4]) {
   uint32_t a0, a1, a2;
   constexpr int base = LaneWindow<K>::kStatic ? LaneWindow<K>::kStaticOff : 0;
   if constexpr (LaneWindow<K>::kStatic) {
@@ -103,6 +103,12 @@ __device__ __forceinline__ void decode_lane(const uint32_t* tile, const LaneWind
   pair[1] = decode_pair_at<K, CB, base, 1>(a0, a1, a2);
   pair[2] = decode_pair_at<K, CB, base, 2>(a0, a1, a2);
   pair[3] = decode_pair_at<K, CB, base, 3>(a0, a1, a2);
+}
+
+// Decode this lane's 8 positions of one tile. `tile` = the tile's 8K u32 words (shared or global memory).
+template <int K, int CB>
+__device__ __forceinline__ void decode_lane(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&pair)[4]) {
+  decode_lane_words<K, CB>(tile[lw.w0], tile[lw.w1], tile[lw.w2], lw, pair);
 }
 
 }  // namespace exl3

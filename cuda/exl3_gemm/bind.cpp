@@ -12,10 +12,11 @@ void bind_exl3_gemm(py::module_& m) {
       [](std::uintptr_t x, long x_stride, std::uintptr_t trellis, std::uintptr_t suh, std::uintptr_t svh,
          std::uintptr_t bias, std::uintptr_t out, long out_stride, std::uintptr_t ws, std::uintptr_t counters, int m,
          int k, int n, int K, int codebook, int groups, int chunks_per_split, int splits, bool bf16,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::uintptr_t xh) {
         twinspark::Exl3GemmSmallArgs a{};
         a.x = twinspark::ptr<const void>(x);
         a.x_stride = x_stride;
+        a.xh = twinspark::ptr<void>(xh);
         a.trellis = twinspark::ptr<const int16_t>(trellis);
         a.suh = twinspark::ptr<const void>(suh);
         a.svh = twinspark::ptr<const void>(svh);
@@ -34,7 +35,7 @@ void bind_exl3_gemm(py::module_& m) {
       py::arg("x"), py::arg("x_stride"), py::arg("trellis"), py::arg("suh"), py::arg("svh"), py::arg("bias"),
       py::arg("out"), py::arg("out_stride"), py::arg("ws"), py::arg("counters"), py::arg("m"), py::arg("k"),
       py::arg("n"), py::arg("K"), py::arg("codebook"), py::arg("groups"), py::arg("chunks_per_split"),
-      py::arg("splits"), py::arg("bf16"), py::arg("stream"));
+      py::arg("splits"), py::arg("bf16"), py::arg("stream"), py::arg("xh") = 0);
   m.def(
       "exl3_gemm_capture_id",
       [](std::uintptr_t stream) {

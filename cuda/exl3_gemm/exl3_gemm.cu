@@ -54,6 +54,10 @@ cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int
       a.x_stride % 4 || a.out_stride % 4 || (a.splits - 1) * a.chunks_per_split >= a.k / 128) {
     return cudaErrorInvalidValue;
   }
+  if (a.xh) {
+    const cudaError_t err = exl3_gemm_prep_x(a.x, a.x_stride, a.bf16, a.suh, a.m, a.k, a.xh, stream);
+    if (err != cudaSuccess) return err;
+  }
   switch (K) {
     case 1:
       return exl3_gemm_small_k1(a, codebook, groups, stream);
@@ -78,7 +82,7 @@ cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int
 
 cudaError_t exl3_gemm_dequant_t(const int16_t* trellis, int k, int n, int K, int codebook, void* wt,
                                 cudaStream_t stream) {
-  if (k % 16 || n % 16 || k <= 0 || n <= 0) return cudaErrorInvalidValue;
+  if (k % 128 || n % 128 || k <= 0 || n <= 0) return cudaErrorInvalidValue;
   const int tk = k / 16, tn = n / 16;
   switch (K) {
     case 1:

@@ -18,6 +18,8 @@ namespace twinspark {
 struct Exl3GemmSmallArgs {
   const void* x;
   long x_stride;
+  void* xh;  // null, or an fp16 [m, k] workspace: the launcher first writes x' = fp16(Hk(x ⊙ suh)) there (prep
+            // kernel) and the GEMM reads x' once instead of every 128-column strip redoing the Hadamard
   const int16_t* trellis;
   const void* suh;
   const void* svh;
@@ -37,7 +39,7 @@ struct Exl3GemmSmallArgs {
 cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int groups, cudaStream_t stream);
 
 // Large-m helpers (the GEMM itself is a dense fp16 matmul on W_hat):
-// wt[n, k] fp16 = W_hat^T (bit-exact), trellis as above.
+// wt[n, k] fp16 = W_hat^T (bit-exact), trellis as above (k, n multiples of 128).
 cudaError_t exl3_gemm_dequant_t(const int16_t* trellis, int k, int n, int K, int codebook, void* wt,
                                 cudaStream_t stream);
 // xh[m, k] fp16 = fp16(Hk(x ⊙ suh)); x as above, xh contiguous.

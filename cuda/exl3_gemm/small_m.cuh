@@ -33,8 +33,12 @@ __host__ __device__ constexpr int num_stages(int K) {
   return (49152 / (stage_words(K) * 4)) > 4 ? 4
                                             : ((49152 / (stage_words(K) * 4)) < 2 ? 2 : 49152 / (stage_words(K) * 4));
 }
+// One token group (m <= 8): x' of kXChunks chunks is made at once, one chunk per warp (the block's 8 warps share
+// the Hadamard work instead of warp t doing token t's every chunk while the others wait at the barrier).
+constexpr int kXChunks = 8;
+__host__ __device__ constexpr int x_chunks(int groups) { return groups == 1 ? kXChunks : 2; }
 __host__ __device__ constexpr int smem_bytes(int K, int groups) {
-  return num_stages(K) * stage_words(K) * 4 + 2 * 8 * groups * kXRow * 2;
+  return num_stages(K) * stage_words(K) * 4 + x_chunks(groups) * 8 * groups * kXRow * 2;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -69,8 +73,21 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 // x'[t, 0:128] of chunk c for tokens t < 8*groups (rows >= m are zero), fp16 into xs (row stride kXRow).
 // (Tried: issuing chunk c+1's loads before chunk c's decode; measured slower on the H200 at every m, with
 // 125 registers at 8 groups: NOTES.md v2.)
+// With a.xh (x' made once by exl3_gemm_prep_x: many tokens, where every strip would redo the Hadamard) the rows
+// are copied.
 template <int G>
 __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, half* xs, int warp, int lane) {
+  if (a.xh) {
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const int t = warp + 8 * i;
+      uint2 u = make_uint2(0u, 0u);
+      if (t < a.m) u = *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) +
+                                                        static_cast<size_t>(t) * a.k + 128 * c + 4 * lane);
+      *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = u;
+    }
+    return;
+  }
   float s[4];
   exl3::load4_half(static_cast<const half*>(a.suh) + 128 * c + 4 * lane, s);
 #pragma unroll
@@ -88,6 +105,37 @@ __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, 
     uint2 u;
     u.x = *reinterpret_cast<const uint32_t*>(&lo), u.y = *reinterpret_cast<const uint32_t*>(&hi);
     *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = u;
+  }
+}
+
+// x' of chunks c .. c+n-1 (n <= kXChunks) for the 8 token rows of one group: warp w makes chunk c+w, all rows
+// (rows >= m zero) into xs + w * 8 * kXRow.
+__device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int c, int n, half* xs, int warp, int lane) {
+  if (warp >= n) return;
+  half* xw = xs + warp * 8 * kXRow;
+  if (a.xh) {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      uint2 u = make_uint2(0u, 0u);
+      if (t < a.m) u = *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) +
+                                                        static_cast<size_t>(t) * a.k + 128 * (c + warp) + 4 * lane);
+      *reinterpret_cast<uint2*>(xw + t * kXRow + 4 * lane) = u;
+    }
+    return;
+  }
+  float s[4];
+  exl3::load4_half(static_cast<const half*>(a.suh) + 128 * (c + warp) + 4 * lane, s);
+  for (int t = 0; t < 8; ++t) {
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (t < a.m) {
+      exl3::load4(static_cast<const char*>(a.x) +
+                      (static_cast<size_t>(t) * a.x_stride + 128 * (c + warp) + 4 * lane) * 2,
+                  a.bf16, v);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] *= s[e];
+      exl3::hadamard128_warp(v, lane);
+    }
+    exl3::store4(xw + t * kXRow + 4 * lane, false, v);
   }
 }
 
@@ -109,16 +157,21 @@ __global__ void __launch_bounds__(kThreads) small_m_kernel(const Exl3GemmSmallAr
   const int tiles_n = a.n >> 4;
 
   // One chunk = 8 rows (k-tiles) of 8 consecutive tiles; each row is contiguous in global memory.
+  // A compile-time trip count per thread (1-4 copies): a run-time strided loop here cost ~150 instructions per
+  // chunk (unroll-by-4 + remainder scaffolding), as much as decoding two tiles (SASS, H200 run 2026-12-01).
   auto load_chunk = [&](int c, int stage) {
     uint4* dst = reinterpret_cast<uint4*>(stages + stage * kStageWords);
     constexpr int kRowVec = 16 * K;  // uint4 per row of 8 tiles (8 * 32K bytes / 16)
+    constexpr int kTotal = 8 * kRowVec, kIters = (kTotal + kThreads - 1) / kThreads;
+    const uint4* base =
+        reinterpret_cast<const uint4*>(a.trellis + (static_cast<long>(8 * c) * tiles_n + 8 * strip) * 16 * K);
 #pragma unroll
-    for (int i = threadIdx.x; i < 8 * kRowVec; i += kThreads) {
-      const int kt = i / kRowVec, v = i - kt * kRowVec;
-      const uint4* src =
-          reinterpret_cast<const uint4*>(a.trellis + (static_cast<long>(8 * c + kt) * tiles_n + 8 * strip) * 16 * K) +
-          v;
-      cp_async16(dst + i, src);
+    for (int j = 0; j < kIters; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (kTotal % kThreads == 0 || i < kTotal) {
+        const int kt = i / kRowVec, v = i - kt * kRowVec;
+        cp_async16(dst + i, base + static_cast<long>(kt) * tiles_n * kRowVec / 8 + v);
+      }
     }
   };
 
@@ -138,8 +191,17 @@ __global__ void __launch_bounds__(kThreads) small_m_kernel(const Exl3GemmSmallAr
   const int x_col = 8 * (mi & 1);
 
   for (int i = 0; i < nchunks; ++i) {
-    half* xb = xs + (i & 1) * (8 * G * kXRow);
-    make_x_chunk<G>(a, c0 + i, xb, warp, lane);
+    half* xb;
+    if constexpr (G == 1) {
+      xb = xs + (i % kXChunks) * (8 * kXRow);
+      if (i % kXChunks == 0) {
+        if (i > 0) __syncthreads();  // everyone is done with the previous kXChunks chunks of x'
+        make_x_chunks(a, c0 + i, min(kXChunks, nchunks - i), xs, warp, lane);
+      }
+    } else {
+      xb = xs + (i & 1) * (8 * G * kXRow);
+      make_x_chunk<G>(a, c0 + i, xb, warp, lane);
+    }
     cp_async_wait<kStages - 2>();
     __syncthreads();
     if (i + kStages - 1 < nchunks) load_chunk(c0 + i + kStages - 1, (i + kStages - 1) % kStages);
@@ -230,31 +292,55 @@ cudaError_t launch_small(const Exl3GemmSmallArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Large-m path: W_hat^T fp16 [n, k] (the nn.Linear layout a dense matmul reads as B^T), one warp per tile,
-// decoded with the same per-lane code. Pair p of lane L holds rows (k) r0, r0+1 of column (n) c: one 4-byte store.
+// Large-m path: W_hat^T fp16 [n, k] (the nn.Linear layout a dense matmul reads as B^T). A warp owns 8 tiles
+// along k of one 16-column tile (an [16 n, 128 k] block of W_hat^T): it loads all 8 tiles' words first (24 loads
+// in flight per lane instead of 3 dependent ones), decodes them with the per-lane code of the small kernel, then
+// writes the block through shared memory as 16-byte row stores (each row is 256 contiguous bytes).
+// Pair p of lane L holds rows (k) r0, r0+1 of column (n) c of its tile.
+constexpr int kDqRow = 136;  // halves per staged row (128 + 8: the 4-byte scatter spreads over the banks)
+
 template <int K, int CB>
 __global__ void __launch_bounds__(256)
     dequant_t_kernel(const int16_t* __restrict__ trellis, int tiles_k, int tiles_n, half* __restrict__ wt) {
-  const int lane = threadIdx.x & 31;
-  const long tile = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  if (tile >= static_cast<long>(tiles_k) * tiles_n) return;
-  const long tk = tile / tiles_n, tn = tile - tk * tiles_n;
+  __shared__ __align__(16) half stage[8][16 * kDqRow];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long item = static_cast<long>(blockIdx.x) * 8 + warp;  // (tn, k-block of 8 tiles)
+  const int kblocks = tiles_k >> 3;
+  if (item >= static_cast<long>(kblocks) * tiles_n) return;
+  const long tn = item / kblocks, tk0 = 8 * (item - tn * kblocks);
   const exl3::LaneWindow<K> lw(lane);
-  uint32_t p[4];
-  exl3::decode_lane<K, CB>(reinterpret_cast<const uint32_t*>(trellis + tile * 16 * K), lw, p);
+  uint32_t w[8][3];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t* t = reinterpret_cast<const uint32_t*>(trellis + ((tk0 + j) * tiles_n + tn) * 16 * K);
+    w[j][0] = __ldg(t + lw.w0), w[j][1] = __ldg(t + lw.w1), w[j][2] = __ldg(t + lw.w2);
+  }
+  half* st = stage[warp];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint32_t p[4];
+    exl3::decode_lane_words<K, CB>(w[j][0], w[j][1], w[j][2], lw, p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r0 = 2 * (lane & 3) + 8 * (i & 1), c = (lane >> 2) + 8 * (i >> 1);
+      *reinterpret_cast<uint32_t*>(st + c * kDqRow + 16 * j + r0) = p[i];
+    }
+  }
+  __syncwarp();
   const long k = static_cast<long>(tiles_k) * 16;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r0 = 2 * (lane & 3) + 8 * (i & 1), c = (lane >> 2) + 8 * (i >> 1);
-    *reinterpret_cast<uint32_t*>(wt + (16 * tn + c) * k + 16 * tk + r0) = p[i];
+  for (int i = 0; i < 8; ++i) {
+    const int idx = i * 32 + lane, row = idx >> 4, chunk = idx & 15;
+    *reinterpret_cast<uint4*>(wt + (16 * tn + row) * k + 16 * tk0 + 8 * chunk) =
+        *reinterpret_cast<const uint4*>(st + row * kDqRow + 8 * chunk);
   }
 }
 
 template <int K>
 cudaError_t launch_dequant_t_k(const int16_t* trellis, int tiles_k, int tiles_n, int codebook, void* wt,
                                cudaStream_t stream) {
-  const long tiles = static_cast<long>(tiles_k) * tiles_n;
-  const dim3 grid(static_cast<unsigned>((tiles + 7) / 8));
+  const long items = static_cast<long>(tiles_k / 8) * tiles_n;  // tiles_k % 8 == 0 (k % 128, checked by the caller)
+  const dim3 grid(static_cast<unsigned>((items + 7) / 8));
   half* w = static_cast<half*>(wt);
   switch (codebook) {
     case exl3::kCb3inst:

@@ -55,8 +55,15 @@ struct GemmParams {
   bool fuse_convert;
 };
 
+constexpr int kChunkKb = 8;  // 16-row items: k-blocks of A built at once (8 * 16 rows * 272 B = 34 KB)
+constexpr int kStages = 3;    // 16-row items: trellis buffers (3 * 16 KB at K = 8)
+
+// 16-row items: A chunk + kStages tile buffers (K = 8: 43.5 + 48 KB); 64-row items: 2 A blocks + 2 tile buffers
+// (K = 8: 34 + 32 KB). Both <= 99 KB (GB10).
 inline size_t gemm_smem_bytes(int mt, int max_words) {
-  return 2 * static_cast<size_t>(16 * mt) * kAStride * 2 + 2 * 64 * static_cast<size_t>(max_words) * 2;
+  const size_t tiles = 64 * static_cast<size_t>(max_words) * 2;
+  if (mt == 1) return static_cast<size_t>(kChunkKb) * 16 * kAStride * 2 + kStages * tiles;
+  return 2 * static_cast<size_t>(16 * mt) * kAStride * 2 + 2 * tiles;
 }
 
 // Rows of out32 [T, 128 columns from col0] -> out in x's dtype. L2 loads (__ldcg): other blocks' atomics.
@@ -105,7 +112,8 @@ __device__ __forceinline__ void route_small(const GemmParams& p, int item, RowTa
   for (int h = 0; h < 2; ++h) {
     const int q = lane + 32 * h;
     int r = 0;
-    for (int j = 0; j < q; ++j) r += rows.local[j] == e2[h];
+    if (e2[h] >= 0)  // pairs past P or off this rank need no rank (q < P for every real pair)
+      for (int j = 0; j < q; ++j) r += rows.local[j] == e2[h];
     rank[h] = r;
     lead[h] = e2[h] >= 0 && (r & 15) == 0;
   }
@@ -131,55 +139,134 @@ __device__ __forceinline__ void route_small(const GemmParams& p, int item, RowTa
   if (lane == 0) rows.rcnt = n;
 }
 
-// A block of k-block kb for rows [0, 16*MT): fp16 Hadamard-domain activations, zero rows past rcnt.
+// Row r (< rcnt) of the A block of k-block kb, this lane's 4 values: fp32 Hadamard-domain activations.
+// Gate/up: x[token] * suh of (e, mat), input Hadamard. Down: the sum of the pair's k-split gate/up parts, output
+// Hadamard, svh, SiLU(gate) * up (clamped), suh of down, input Hadamard.
+template <bool DOWN>
+__device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows, int r, int e, int mat, int kb,
+                                      float (&v)[4]) {
+  const int lane = threadIdx.x & 31;
+  const int col = kb * 128 + lane * 4;
+  if constexpr (!DOWN) {
+    const size_t xo = static_cast<size_t>(rows.tok[r]) * p.H + col;
+    const void* xp = p.x_bf16 ? static_cast<const void*>(static_cast<const __nv_bfloat16*>(p.x) + xo)
+                              : static_cast<const void*>(static_cast<const __half*>(p.x) + xo);
+    float s[4];
+    exl3::load4(xp, p.x_bf16, v);
+    exl3::load4_half(p.suh13 + (static_cast<size_t>(e) * 2 + mat) * p.H + col, s);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[q] *= s[q];
+  } else {
+    const float* g = p.gu32 + static_cast<size_t>(rows.pair[r]) * 2 * p.I + col;
+    float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < p.splitk; ++s, g += static_cast<size_t>(p.P) * 2 * p.I) {
+      const float4 g4 = *reinterpret_cast<const float4*>(g);
+      const float4 u4 = *reinterpret_cast<const float4*>(g + p.I);
+      gv[0] += g4.x, gv[1] += g4.y, gv[2] += g4.z, gv[3] += g4.w;
+      uv[0] += u4.x, uv[1] += u4.y, uv[2] += u4.z, uv[3] += u4.w;
+    }
+    exl3::hadamard128_warp(gv, lane);
+    exl3::hadamard128_warp(uv, lane);
+    float sg[4], su[4], sd[4];
+    exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 0) * p.I + col, sg);
+    exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 1) * p.I + col, su);
+    exl3::load4_half(p.suh2 + static_cast<size_t>(e) * p.I + col, sd);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float gq = gv[q] * sg[q], uq = uv[q] * su[q];
+      if (p.limit >= 0.f) {
+        gq = fminf(gq, p.limit);
+        uq = fminf(fmaxf(uq, -p.limit), p.limit);
+      }
+      v[q] = gq / (1.f + __expf(-gq)) * uq * sd[q];
+    }
+  }
+  exl3::hadamard128_warp(v, lane);
+}
+
+// A block of k-block kb for rows [0, 16*MT): fp16, zero rows past rcnt.
 template <bool DOWN, int MT>
 __device__ __forceinline__ void produce_a(const GemmParams& p, const RowTables& rows, int rcnt, int e, int mat, int kb,
                                           __half* a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int col = kb * 128 + lane * 4;
   for (int r = warp; r < 16 * MT; r += kThreads / 32) {
     float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (r < rcnt) {
-      if constexpr (!DOWN) {
-        const size_t xo = static_cast<size_t>(rows.tok[r]) * p.H + col;
-        const void* xp = p.x_bf16 ? static_cast<const void*>(static_cast<const __nv_bfloat16*>(p.x) + xo)
-                                  : static_cast<const void*>(static_cast<const __half*>(p.x) + xo);
-        float s[4];
-        load4(xp, p.x_bf16, v);
-        load4_half(p.suh13 + (static_cast<size_t>(e) * 2 + mat) * p.H + col, s);
+    if (r < rcnt) a_row<DOWN>(p, rows, r, e, mat, kb, v);
+    *reinterpret_cast<uint2*>(a + r * kAStride + lane * 4) = pack4_half(v);
+  }
+}
+
+// The A blocks of k-blocks kb0 .. kb0+n-1 at once (16-row items): tasks (k-block, row) are spread over the warps
+// k-block first, so the few real rows of a decode item land on different warps and their loads overlap (one
+// memory round trip per chunk instead of one per k-block). Block j lives at a + j * 16 * kAStride.
+template <bool DOWN>
+__device__ __forceinline__ void produce_chunk(const GemmParams& p, const RowTables& rows, int rcnt, int e, int mat,
+                                              int kb0, int n, __half* a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = warp; i < 16 * n; i += kThreads / 32) {
+    const int j = i % n, r = i / n;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r < rcnt) a_row<DOWN>(p, rows, r, e, mat, kb0 + j, v);
+    *reinterpret_cast<uint2*>(a + (j * 16 + r) * kAStride + lane * 4) = pack4_half(v);
+  }
+}
+
+// Stage the 8x8 trellis tiles of k-block kb for column slice `slice` (8 k-tile rows of 8 consecutive tiles, kW
+// int16 per tile) into dst with 16-byte cp.async; the caller commits.
+// Compile-time trip count (1-4 copies per thread; see load_chunk in exl3_gemm/small_m.cuh for why).
+template <int kW>
+__device__ __forceinline__ void issue_tiles(const int16_t* tr, int tiles_n, int slice, int kb, int16_t* dst) {
+  const int16_t* src = tr + (static_cast<size_t>(kb) * 8 * tiles_n + slice * 8) * kW;
+  constexpr int kTotal = 8 * kW, kIters = (kTotal + kThreads - 1) / kThreads;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) v[q] *= s[q];
-      } else {
-        // Sum the k-split parts of gate and up.
-        const float* g = p.gu32 + static_cast<size_t>(rows.pair[r]) * 2 * p.I + col;
-        float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int s = 0; s < p.splitk; ++s, g += static_cast<size_t>(p.P) * 2 * p.I) {
-          const float4 g4 = *reinterpret_cast<const float4*>(g);
-          const float4 u4 = *reinterpret_cast<const float4*>(g + p.I);
-          gv[0] += g4.x, gv[1] += g4.y, gv[2] += g4.z, gv[3] += g4.w;
-          uv[0] += u4.x, uv[1] += u4.y, uv[2] += u4.z, uv[3] += u4.w;
-        }
-        fwht128(gv, lane);
-        fwht128(uv, lane);
-        float sg[4], su[4], sd[4];
-        load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 0) * p.I + col, sg);
-        load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 1) * p.I + col, su);
-        load4_half(p.suh2 + static_cast<size_t>(e) * p.I + col, sd);
+  for (int j = 0; j < kIters; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (kTotal % kThreads == 0 || i < kTotal) {
+      const int kt = i / kW, c = i - kt * kW;
+      cp_async16(dst + kt * 8 * kW + c * 8, src + static_cast<size_t>(kt) * tiles_n * kW + c * 8);
+    }
+  }
+}
+
+// One 128-deep k-block: warp w decodes its 8 tiles (column tile w) and multiplies every 16-row group of A.
+template <int CB, int MT, int KA, bool HALF>
+__device__ __forceinline__ void mma_kblock(const int16_t* tb, const __half* ab, int rcnt, float acc[MT][2][4]) {
+  constexpr int kW = 16 * KA + (HALF ? 8 : 0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const exl3::LaneWindow<HALF ? 1 : KA> lw(lane);  // whole rates: the GEMM's per-lane decoder
+  // ldmatrix.x4 row address of this lane: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) = a0a1, a2a3, a4a5, a6a7.
+  const int a_row_ = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
+#pragma unroll 2
+  for (int kt = 0; kt < 8; ++kt) {
+    uint32_t b[4];
+    const uint32_t* tw = reinterpret_cast<const uint32_t*>(tb + (kt * 8 + warp) * kW);
+    if constexpr (HALF) {
+      decode_tile_half<CB, KA>(tw, lane, b);
+    } else {
+      exl3::decode_lane<KA, CB>(tw, lw, b);
+    }
+    if constexpr (MT == 1) {
+      // Decode items: the tile is the A operand (W_hat^T, n x k) and 8 rows of x' the B operand, so an item of
+      // up to 8 rows costs one mma per tile (acc[0][h] = C [16 columns x rows 8h..8h+7]).
+      const uint32_t af[4] = {b[0], b[2], b[1], b[3]};
+      uint32_t x0, x1;
+      ldmatrix_x2(x0, x1, ab + (lane & 7) * kAStride + kt * 16 + 8 * ((lane >> 3) & 1));
+      mma_16816(acc[0][0], af, x0, x1);
+      if (rcnt > 8) {
+        ldmatrix_x2(x0, x1, ab + (8 + (lane & 7)) * kAStride + kt * 16 + 8 * ((lane >> 3) & 1));
+        mma_16816(acc[0][1], af, x0, x1);
+      }
+    } else {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          float gq = gv[q] * kRsqrt128 * sg[q], uq = uv[q] * kRsqrt128 * su[q];
-          if (p.limit >= 0.f) {
-            gq = fminf(gq, p.limit);
-            uq = fminf(fmaxf(uq, -p.limit), p.limit);
-          }
-          v[q] = gq / (1.f + __expf(-gq)) * uq * sd[q];
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt * 16 < rcnt) {
+          uint32_t a[4];
+          ldmatrix_x4(a, ab + (mt * 16 + a_row_) * kAStride + kt * 16 + a_col);
+          mma_16816(acc[mt][0], a, b[0], b[1]);
+          mma_16816(acc[mt][1], a, b[2], b[3]);
         }
       }
-      fwht128(v, lane);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) v[q] *= kRsqrt128;
     }
-    *reinterpret_cast<uint2*>(a + r * kAStride + lane * 4) = pack4_half(v);
   }
 }
 
@@ -189,23 +276,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);  // int16 per tile
   constexpr int kRows = 16 * MT;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n = DOWN ? p.H : p.I;
-  const int tiles_n = n / 16;
-
-  __half* abuf = reinterpret_cast<__half*>(smem);                           // [2][kRows][kAStride]
-  int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + 2 * kRows * kAStride);  // [2][8 kt][8 nt][kW]
+  const int tiles_n = (DOWN ? p.H : p.I) / 16;
   const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
-
-  // The 8x8 tiles of k-block kb: 8 k-tile rows, each 8 consecutive tiles = 8*kW int16, 16-byte chunks.
-  auto issue_trellis = [&](int kb, int buf) {
-    const int16_t* src = tr + (static_cast<size_t>(kb) * 8 * tiles_n + slice * 8) * kW;
-    int16_t* dst = tbuf + buf * 64 * kW;
-    for (int i = threadIdx.x; i < 8 * kW; i += kThreads) {
-      const int kt = i / kW, c = i - kt * kW;
-      cp_async16(dst + kt * 8 * kW + c * 8, src + static_cast<size_t>(kt) * tiles_n * kW + c * 8);
-    }
-    cp_async_commit();
-  };
+  const int nkb = kb1 - kb0;
 
   float acc[MT][2][4];
 #pragma unroll
@@ -215,37 +288,62 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mt][h][q] = 0.f;
 
-  const int nkb = kb1 - kb0;
-  issue_trellis(kb0, 0);
-  produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0, abuf);
-  // ldmatrix.x4 row address of this lane: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) = a0a1, a2a3, a4a5, a6a7.
-  const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
-  for (int i = 0; i < nkb; ++i) {
-    cp_async_wait_all();
-    __syncthreads();  // tiles and A of k-block i ready; everyone is done with the other buffers
-    if (i + 1 < nkb) issue_trellis(kb0 + i + 1, (i + 1) & 1);
-    const int16_t* tb = tbuf + (i & 1) * 64 * kW;
-    const __half* ab = abuf + (i & 1) * kRows * kAStride;
-#pragma unroll 2
-    for (int kt = 0; kt < 8; ++kt) {
-      uint32_t b[4];
-      decode_tile<CB, KA, HALF>(reinterpret_cast<const uint32_t*>(tb + (kt * 8 + warp) * kW), lane, b);
+  if constexpr (MT == 1) {
+    // 16-row items (decode): A of up to kChunkKb k-blocks is built at once (one memory round trip per chunk) and
+    // the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while one is multiplied).
+    __half* abuf = reinterpret_cast<__half*>(smem);                            // [kChunkKb][16][kAStride]
+    int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + kChunkKb * 16 * kAStride);  // [kStages][64][kW]
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (mt * 16 < rcnt) {
-          uint32_t a[4];
-          ldmatrix_x4(a, ab + (mt * 16 + a_row) * kAStride + kt * 16 + a_col);
-          mma_16816(acc[mt][0], a, b[0], b[1]);
-          mma_16816(acc[mt][1], a, b[2], b[3]);
-        }
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
+      cp_async_commit();
+    }
+    for (int c0 = 0; c0 < nkb; c0 += kChunkKb) {
+      const int cn = min(kChunkKb, nkb - c0);
+      if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A
+      produce_chunk<DOWN>(p, rows, rcnt, e, mat, kb0 + c0, cn, abuf);
+      for (int i = c0; i < c0 + cn; ++i) {
+        cp_async_wait<kStages - 2>();  // this thread's copies of k-block i have landed
+        __syncthreads();               // everyone's have; A is ready; buffer (i - 1) % kStages is free
+        const int nx = i + kStages - 1;
+        if (nx < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + nx, tbuf + (nx % kStages) * 64 * kW);
+        cp_async_commit();  // possibly empty: keeps one group per k-block
+        mma_kblock<CB, MT, KA, HALF>(tbuf + (i % kStages) * 64 * kW, abuf + (i - c0) * 16 * kAStride, rcnt, acc);
       }
     }
-    if (i + 1 < nkb) produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0 + i + 1, abuf + ((i + 1) & 1) * kRows * kAStride);
+  } else {
+    // 64-row items (prefill): A and the tiles of the next k-block are built/staged while this one is multiplied.
+    __half* abuf = reinterpret_cast<__half*>(smem);                           // [2][kRows][kAStride]
+    int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + 2 * kRows * kAStride);  // [2][64][kW]
+    issue_tiles<kW>(tr, tiles_n, slice, kb0, tbuf);
+    cp_async_commit();
+    produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0, abuf);
+    for (int i = 0; i < nkb; ++i) {
+      cp_async_wait<0>();
+      __syncthreads();  // tiles and A of k-block i ready; everyone is done with the other buffers
+      if (i + 1 < nkb) {
+        issue_tiles<kW>(tr, tiles_n, slice, kb0 + i + 1, tbuf + ((i + 1) & 1) * 64 * kW);
+        cp_async_commit();
+      }
+      mma_kblock<CB, MT, KA, HALF>(tbuf + (i & 1) * 64 * kW, abuf + (i & 1) * kRows * kAStride, rcnt, acc);
+      if (i + 1 < nkb) produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0 + i + 1, abuf + ((i + 1) & 1) * kRows * kAStride);
+    }
   }
 
-  // Accumulator fragment: c0,c1 at (row lane/4, cols 2*(lane%4) + {0,1}), c2,c3 at row + 8.
+  // Accumulator fragment, MT = 4: c0,c1 at (row lane/4, cols 2*(lane%4) + {0,1}), c2,c3 at row + 8.
+  // MT = 1 (transposed): acc[0][h][q] is row 8h + 2*(lane%4) + (q & 1), column lane/4 + 8*(q >> 1).
   const int fr = lane >> 2, fc = 2 * (lane & 3);
-  if constexpr (!DOWN) {
+  if constexpr (MT == 1 && !DOWN) {
+    float* dst = p.gu32 + static_cast<size_t>(blockIdx.z) * p.P * 2 * p.I + static_cast<size_t>(mat) * p.I +
+                 slice * 128 + warp * 16 + fr;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = 8 * h + fc + (q & 1);
+        if (r < rcnt) dst[static_cast<size_t>(rows.pair[r]) * 2 * p.I + 8 * (q >> 1)] = acc[0][h][q];
+      }
+  } else if constexpr (!DOWN) {
     float* dst = p.gu32 + static_cast<size_t>(blockIdx.z) * p.P * 2 * p.I + static_cast<size_t>(mat) * p.I +
                  slice * 128 + warp * 16 + fc;
 #pragma unroll
@@ -263,6 +361,13 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
   } else {
     __syncthreads();                               // all warps are done reading A: reuse it for the fp32 staging rows
     float* cbuf = reinterpret_cast<float*>(smem);  // [kRows][kCStride]
+    if constexpr (MT == 1) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          cbuf[(8 * h + fc + (q & 1)) * kCStride + warp * 16 + fr + 8 * (q >> 1)] = acc[0][h][q];
+    } else {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -273,15 +378,16 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
           *reinterpret_cast<float2*>(cbuf + r * kCStride + warp * 16 + h * 8 + fc) =
               make_float2(acc[mt][h][2 * hr], acc[mt][h][2 * hr + 1]);
         }
+    }
     __syncthreads();
     const int col = slice * 128 + lane * 4;
     float sv[4];
-    load4_half(p.svh2 + static_cast<size_t>(e) * p.H + col, sv);
+    exl3::load4_half(p.svh2 + static_cast<size_t>(e) * p.H + col, sv);
     for (int r = warp; r < rcnt; r += kThreads / 32) {
       const float4 c4 = *reinterpret_cast<const float4*>(cbuf + r * kCStride + lane * 4);
       float v[4] = {c4.x, c4.y, c4.z, c4.w};
-      fwht128(v, lane);
-      const float w = rows.weight[r] * kRsqrt128;
+      exl3::hadamard128_warp(v, lane);
+      const float w = rows.weight[r];
       float* d = p.out32 + static_cast<size_t>(rows.tok[r]) * p.H + col;
 #pragma unroll
       for (int q = 0; q < 4; ++q) atomicAdd(d + q, v[q] * w * sv[q]);
@@ -316,7 +422,7 @@ __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, c
 }
 
 template <int CB, int MT, bool DOWN>
-__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(GemmParams p) {
+__global__ void __launch_bounds__(kThreads, MT == 1 && !DOWN ? 3 : 2) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
   const int item = blockIdx.x;

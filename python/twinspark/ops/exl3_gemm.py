@@ -35,22 +35,30 @@ OP = "exl3_gemm"
 _X_DTYPES = (torch.float16, torch.bfloat16)
 M_SLICE = 64  # tokens per launch of the small-m kernel (8 groups of 8: 32 fp32 accumulators per lane)
 LARGE_M = 64  # m above this takes the dequantize + dense matmul path (README: crossover measured on the H200)
-# split-k target: about this many blocks per SM in one launch (v1, measured on the H200; the v2 sweep found 3 the
-# best of 1/2/3/6 at m=1 — 6 adds nothing — and fewer splits better at m=64 with its (reverted) v4 reduction;
-# re-sweep at m=64 with `bench_exl3_gemm.py` before changing it: NOTES.md)
-BLOCKS_PER_SM: float | dict = 3.0
+# split-k target per token-group count: about this many blocks per SM in one launch. H200 sweeps (graph replay,
+# K=2, bench_exl3_gemm.py; NOTES.md v4): m=1 6 blocks/SM is best or tied on all 5 anchor shapes (4096x5120 11.2
+# vs 12.0 us at 3); m=64 2 is best on 3 of 5 and within 3% on the others; 2 and 4 groups keep v1's 3.
+BLOCKS_PER_SM: float | dict = {1: 6.0, 2: 3.0, 4: 3.0, 8: 2.0}
+# small variant from this many token groups of 8 on, on layers where every 128-column strip redoing the x'
+# Hadamard adds up to more than PREP_WORK (strips x k): x' = H(x ⊙ suh) is made once by a prep kernel instead.
+# H200 sweep (bench_exl3_gemm.py, NOTES.md v4): a gain on 4096x5120, 5120x4096, 5120x12288 at m >= 32; a tie or a
+# loss on 1152x5120 and 5120x1152 (46k). TWINSPARK_EXL3_GEMM_PREP=0|1 forces it off/on (benchmark sweeps).
+PREP_GROUPS = 4
+PREP_WORK = 98304
 
 
 @dataclass(frozen=True)
 class Plan:
     """How one call runs: ``variant`` small|large; for small: token ``groups`` of 8 per launch, k split in
-    ``splits`` blocks of ``chunks_per_split`` 128-row chunks, ``m_slice`` tokens per launch."""
+    ``splits`` blocks of ``chunks_per_split`` 128-row chunks, ``m_slice`` tokens per launch, ``prep``: x' made
+    once by the prep kernel."""
 
     variant: str
     groups: int = 0
     splits: int = 0
     chunks_per_split: int = 0
     m_slice: int = 0
+    prep: bool = False
 
 
 def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None) -> Plan:
@@ -66,7 +74,9 @@ def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None)
     bps = BLOCKS_PER_SM[groups] if isinstance(BLOCKS_PER_SM, dict) else BLOCKS_PER_SM
     splits = max(1, min(chunks, math.ceil(bps * sms / strips)))
     cps = math.ceil(chunks / splits)
-    return Plan("small", groups, math.ceil(chunks / cps), cps, m_slice)
+    forced = os.environ.get("TWINSPARK_EXL3_GEMM_PREP", "")
+    prep = forced == "1" if forced in ("0", "1") else groups >= PREP_GROUPS and strips * k >= PREP_WORK
+    return Plan("small", groups, math.ceil(chunks / cps), cps, m_slice, prep)
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -74,7 +84,8 @@ _PLANS: dict[tuple, Plan] = {}
 
 def _cached_plan(m, k, n, K, sms) -> Plan:
     forced = os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
-    key = (m, k, n, K, sms, forced, BLOCKS_PER_SM if not isinstance(BLOCKS_PER_SM, dict) else None)
+    key = (m, k, n, K, sms, forced, os.environ.get("TWINSPARK_EXL3_GEMM_PREP"),
+           BLOCKS_PER_SM if not isinstance(BLOCKS_PER_SM, dict) else None)
     p = _PLANS.get(key)
     if p is None:
         p = _PLANS[key] = plan(m, k, n, K, sms, forced)
@@ -208,13 +219,14 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
     if p.variant == "small":
         acc, counters = ws.small(n, C.exl3_gemm_capture_id(stream) if torch.cuda.is_current_stream_capturing() else 0)
         es = x2.element_size()
+        xh = ws.buffer("xh", m * k).data_ptr() if p.prep else 0  # the launcher writes x' there first
         for m0 in range(0, m, p.m_slice):
             mm = min(p.m_slice, m - m0)
             C.exl3_gemm_small(
                 x2.data_ptr() + m0 * x2.stride(0) * es, x2.stride(0), trellis.data_ptr(), suh.data_ptr(),
                 svh.data_ptr(), bias.data_ptr() if bias is not None else 0, out2.data_ptr() + m0 * n * es, n,
                 acc.data_ptr(), counters.data_ptr(), mm, k, n, int(K), cb, p.groups, p.chunks_per_split, p.splits,
-                bf16, stream)
+                bf16, stream, xh + m0 * k * 2 if xh else 0)
     else:
         wt = ws.buffer("w_hat_t", n * k)
         xh = ws.buffer("xh", m * k)
