@@ -13,8 +13,8 @@ void bind_engram_dequant(py::module_& m) {
          std::uintptr_t out, int64_t out_stride, std::uintptr_t stream) {
         twinspark::check_launch(
             twinspark::engram_dequant(twinspark::ptr<const uint8_t>(weight), weight_stride,
-                                      twinspark::ptr<const uint8_t>(scale), scale_stride, n,
-                                      twinspark::ptr<void>(out), out_stride, twinspark::stream(stream)),
+                                      twinspark::ptr<const uint8_t>(scale), scale_stride, n, twinspark::ptr<void>(out),
+                                      out_stride, twinspark::stream(stream)),
             "engram_dequant");
       },
       py::arg("weight"), py::arg("weight_stride"), py::arg("scale"), py::arg("scale_stride"), py::arg("n"),

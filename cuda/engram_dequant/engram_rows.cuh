@@ -21,7 +21,7 @@ namespace engram {
 constexpr int kRowValues = 256;   // fp8 values per row
 constexpr int kScalesPerRow = 8;  // one E8M0 byte per 32 values
 constexpr int kThreadsPerRow = 16;
-constexpr int kThreads = 256;     // threads per block: 16 rows per block
+constexpr int kThreads = 256;  // threads per block: 16 rows per block
 
 // 16 bytes of the table, read once: bypass L1 (rows are gathered at random and never reused in the kernel).
 __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
@@ -52,8 +52,8 @@ __device__ __forceinline__ uint2 dequant4(uint32_t w, float scale) {
 template <typename IdT>
 __global__ void __launch_bounds__(kThreads)
     rows_kernel(const uint8_t* __restrict__ weight, int64_t weight_stride, const uint8_t* __restrict__ scale,
-                int64_t scale_stride, const IdT* __restrict__ ids, int64_t first_row, int64_t table_rows,
-                int64_t n, __nv_bfloat16* __restrict__ out, int64_t out_stride) {
+                int64_t scale_stride, const IdT* __restrict__ ids, int64_t first_row, int64_t table_rows, int64_t n,
+                __nv_bfloat16* __restrict__ out, int64_t out_stride) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t row = t / kThreadsPerRow;
   const int part = static_cast<int>(t % kThreadsPerRow);  // values [16*part, 16*part + 16)
@@ -82,9 +82,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // Launch over n rows. Returns cudaErrorInvalidValue when a contract line (alignment, strides) does not hold.
 template <typename IdT>
-inline cudaError_t launch_rows(const uint8_t* weight, int64_t weight_stride, const uint8_t* scale,
-                               int64_t scale_stride, const IdT* ids, int64_t first_row, int64_t table_rows,
-                               int64_t n, __nv_bfloat16* out, int64_t out_stride, cudaStream_t stream) {
+inline cudaError_t launch_rows(const uint8_t* weight, int64_t weight_stride, const uint8_t* scale, int64_t scale_stride,
+                               const IdT* ids, int64_t first_row, int64_t table_rows, int64_t n, __nv_bfloat16* out,
+                               int64_t out_stride, cudaStream_t stream) {
   if (n < 0 || table_rows < 0 || first_row < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   const bool aligned = (reinterpret_cast<uintptr_t>(weight) % 16 == 0) && (weight_stride % 16 == 0) &&

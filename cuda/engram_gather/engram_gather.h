@@ -9,7 +9,7 @@
 namespace twinspark {
 
 cudaError_t engram_gather(const uint8_t* weight, int64_t weight_stride, const uint8_t* scale, int64_t scale_stride,
-                          int64_t table_rows, const void* ids, bool ids_int32, int64_t first_row, int64_t n,
-                          void* out, int64_t out_stride, cudaStream_t stream);
+                          int64_t table_rows, const void* ids, bool ids_int32, int64_t first_row, int64_t n, void* out,
+                          int64_t out_stride, cudaStream_t stream);
 
 }  // namespace twinspark

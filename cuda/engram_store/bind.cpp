@@ -78,10 +78,10 @@ void bind_engram_store(py::module_& m) {
           "enqueue",
           [](Slot& s, std::uintptr_t ids, bool ids_int32, int64_t n, std::uintptr_t weight, std::uintptr_t scale,
              std::uintptr_t stream) {
-            twinspark::check_launch(s.enqueue(reinterpret_cast<const void*>(ids), ids_int32, n,
-                                              reinterpret_cast<void*>(weight), reinterpret_cast<void*>(scale),
-                                              twinspark::stream(stream)),
-                                    "engram lookup");
+            twinspark::check_launch(
+                s.enqueue(reinterpret_cast<const void*>(ids), ids_int32, n, reinterpret_cast<void*>(weight),
+                          reinterpret_cast<void*>(scale), twinspark::stream(stream)),
+                "engram lookup");
           },
           py::arg("ids"), py::arg("ids_int32"), py::arg("n"), py::arg("weight"), py::arg("scale"), py::arg("stream"))
       .def("take_error", &Slot::take_error)

@@ -40,7 +40,8 @@ bool Batch::ready() {
 RowCache::RowCache(uint64_t bytes) {
   const uint64_t per_set = static_cast<uint64_t>(kWays) * (kRecordBytes + sizeof(int64_t) + sizeof(uint32_t));
   sets_ = bytes / per_set;
-  if (sets_ == 0) throw std::invalid_argument("engram cache: size below one set (" + std::to_string(per_set) + " bytes)");
+  if (sets_ == 0)
+    throw std::invalid_argument("engram cache: size below one set (" + std::to_string(per_set) + " bytes)");
   const uint64_t slots = sets_ * kWays;
   bytes_ = sets_ * per_set;
   tags_.reset(new int64_t[slots]);
@@ -108,8 +109,7 @@ Store::Store(std::vector<Extent> extents, int64_t first_row, int64_t end_row, in
     throw std::invalid_argument("engram store: io_engine must be auto, io_uring, aio or pread, got '" + io_engine +
                                 "'");
   if (queue_depth < 1 || queue_depth > 1024)
-    throw std::invalid_argument("engram store: expected a queue_depth of 1..1024, got " +
-                                std::to_string(queue_depth));
+    throw std::invalid_argument("engram store: expected a queue_depth of 1..1024, got " + std::to_string(queue_depth));
   if (extents.empty()) throw std::invalid_argument("engram store: no extents");
   uint32_t covered = 0;
   for (const auto& e : extents) {
@@ -198,8 +198,8 @@ void Store::open_files(const std::vector<Extent>& extents, const std::string& io
       for (auto& g : files_) ::close(g.fd);
       files_.clear();
       throw std::runtime_error("engram store: " + e.path + " is too short for rows [" + std::to_string(first_row_) +
-                               ", " + std::to_string(end_row_) + ") (needs " + std::to_string(need) +
-                               " bytes, has " + std::to_string(files_[idx].size) +
+                               ", " + std::to_string(end_row_) + ") (needs " + std::to_string(need) + " bytes, has " +
+                               std::to_string(files_[idx].size) +
                                "); the file is truncated or belongs to another layout");
     }
     sources_.push_back(Source{idx, e});

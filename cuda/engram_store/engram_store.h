@@ -37,10 +37,10 @@ constexpr size_t kIoBufBytes = 2 * kDirectAlign;  // a record <= 264 bytes spans
 
 struct Extent {
   std::string path;
-  int64_t base = 0;        // file offset of global row 0 (negative for pack files, which start at first_row)
-  uint32_t stride = 0;     // bytes between consecutive rows in the file
-  uint32_t length = 0;     // bytes of the record this extent supplies (<= kRecordBytes)
-  uint32_t record_off = 0; // where they go in the record
+  int64_t base = 0;         // file offset of global row 0 (negative for pack files, which start at first_row)
+  uint32_t stride = 0;      // bytes between consecutive rows in the file
+  uint32_t length = 0;      // bytes of the record this extent supplies (<= kRecordBytes)
+  uint32_t record_off = 0;  // where they go in the record
 };
 
 // One lookup: ids[n] -> weight[n, 256] and scale[n, 8] (host memory, caller-owned until wait() returns).
@@ -59,7 +59,7 @@ struct Batch {
   std::string error;  // first error, empty when all rows were read
 
   int64_t id(int64_t i) const { return ids64 ? ids64[i] : static_cast<int64_t>(ids32[i]); }
-  void wait();        // blocks until every row is written
+  void wait();  // blocks until every row is written
   bool ready();
 };
 
@@ -95,14 +95,13 @@ class Store {
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
-  std::shared_ptr<Batch> submit(const int64_t* ids64, const int32_t* ids32, int64_t n, uint8_t* weight,
-                                uint8_t* scale);
+  std::shared_ptr<Batch> submit(const int64_t* ids64, const int32_t* ids32, int64_t n, uint8_t* weight, uint8_t* scale);
   void drop_page_cache();  // POSIX_FADV_DONTNEED on every file (cold-cache benchmarks of buffered mode)
 
   bool direct() const { return direct_; }
   const std::string& io_path() const { return io_path_; }  // "io_uring", "aio" or "pread"
   int queue_depth() const { return queue_depth_; }         // rows in flight per thread (1 on the pread path)
-  std::string io_note() const;  // why the path was chosen (fallback reasons), or empty
+  std::string io_note() const;                             // why the path was chosen (fallback reasons), or empty
   int threads() const { return static_cast<int>(workers_.size()); }
   int64_t first_row() const { return first_row_; }
   int64_t end_row() const { return end_row_; }
@@ -127,7 +126,7 @@ class Store {
     uint8_t* buf = nullptr;            // kIoBufBytes, aligned: blocking reads
     uint8_t* ring = nullptr;           // queue_depth x sources x kIoBufBytes, aligned: asynchronous reads
     uint64_t bytes = 0;
-    bool keep_ring = false;            // the queue failed with reads in flight: never free what they target
+    bool keep_ring = false;  // the queue failed with reads in flight: never free what they target
   };
   void open_files(const std::vector<Extent>& extents, const std::string& io_mode);
   void select_io(const std::string& io_engine, int queue_depth, int threads);

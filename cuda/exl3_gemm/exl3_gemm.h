@@ -19,7 +19,7 @@ struct Exl3GemmSmallArgs {
   const void* x;
   long x_stride;
   void* xh;  // null, or an fp16 [m, k] workspace: the launcher first writes x' = fp16(Hk(x ⊙ suh)) there (prep
-            // kernel) and the GEMM reads x' once instead of every 128-column strip redoing the Hadamard
+             // kernel) and the GEMM reads x' once instead of every 128-column strip redoing the Hadamard
   const int16_t* trellis;
   const void* suh;
   const void* svh;

@@ -82,8 +82,9 @@ __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, 
     for (int i = 0; i < G; ++i) {
       const int t = warp + 8 * i;
       uint2 u = make_uint2(0u, 0u);
-      if (t < a.m) u = *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) +
-                                                        static_cast<size_t>(t) * a.k + 128 * c + 4 * lane);
+      if (t < a.m)
+        u = *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) + static_cast<size_t>(t) * a.k + 128 * c +
+                                            4 * lane);
       *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = u;
     }
     return;
@@ -117,8 +118,9 @@ __device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int c,
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       uint2 u = make_uint2(0u, 0u);
-      if (t < a.m) u = *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) +
-                                                        static_cast<size_t>(t) * a.k + 128 * (c + warp) + 4 * lane);
+      if (t < a.m)
+        u = *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) + static_cast<size_t>(t) * a.k +
+                                            128 * (c + warp) + 4 * lane);
       *reinterpret_cast<uint2*>(xw + t * kXRow + 4 * lane) = u;
     }
     return;
@@ -128,9 +130,9 @@ __device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int c,
   for (int t = 0; t < 8; ++t) {
     float v[4] = {0.f, 0.f, 0.f, 0.f};
     if (t < a.m) {
-      exl3::load4(static_cast<const char*>(a.x) +
-                      (static_cast<size_t>(t) * a.x_stride + 128 * (c + warp) + 4 * lane) * 2,
-                  a.bf16, v);
+      exl3::load4(
+          static_cast<const char*>(a.x) + (static_cast<size_t>(t) * a.x_stride + 128 * (c + warp) + 4 * lane) * 2,
+          a.bf16, v);
 #pragma unroll
       for (int e = 0; e < 4; ++e) v[e] *= s[e];
       exl3::hadamard128_warp(v, lane);

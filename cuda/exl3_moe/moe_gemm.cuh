@@ -56,7 +56,7 @@ struct GemmParams {
 };
 
 constexpr int kChunkKb = 8;  // 16-row items: k-blocks of A built at once (8 * 16 rows * 272 B = 34 KB)
-constexpr int kStages = 3;    // 16-row items: trellis buffers (3 * 16 KB at K = 8)
+constexpr int kStages = 3;   // 16-row items: trellis buffers (3 * 16 KB at K = 8)
 
 // 16-row items: A chunk + kStages tile buffers (K = 8: 43.5 + 48 KB); 64-row items: 2 A blocks + 2 tile buffers
 // (K = 8: 34 + 32 KB). Both <= 99 KB (GB10).
@@ -291,7 +291,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
   if constexpr (MT == 1) {
     // 16-row items (decode): A of up to kChunkKb k-blocks is built at once (one memory round trip per chunk) and
     // the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while one is multiplied).
-    __half* abuf = reinterpret_cast<__half*>(smem);                            // [kChunkKb][16][kAStride]
+    __half* abuf = reinterpret_cast<__half*>(smem);                               // [kChunkKb][16][kAStride]
     int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + kChunkKb * 16 * kAStride);  // [kStages][64][kW]
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -369,15 +369,15 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
           cbuf[(8 * h + fc + (q & 1)) * kCStride + warp * 16 + fr + 8 * (q >> 1)] = acc[0][h][q];
     } else {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
+        for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = mt * 16 + fr + 8 * hr;
-          *reinterpret_cast<float2*>(cbuf + r * kCStride + warp * 16 + h * 8 + fc) =
-              make_float2(acc[mt][h][2 * hr], acc[mt][h][2 * hr + 1]);
-        }
+          for (int h = 0; h < 2; ++h) {
+            const int r = mt * 16 + fr + 8 * hr;
+            *reinterpret_cast<float2*>(cbuf + r * kCStride + warp * 16 + h * 8 + fc) =
+                make_float2(acc[mt][h][2 * hr], acc[mt][h][2 * hr + 1]);
+          }
     }
     __syncthreads();
     const int col = slice * 128 + lane * 4;

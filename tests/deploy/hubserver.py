@@ -1,13 +1,16 @@
 """A hub-compatible HTTP server on loopback for the download tests: the routes huggingface_hub's snapshot_download
-uses (repo info, tree listing, HEAD/GET resolve with Range). `cut_after` makes the first GET of one file drop the
-connection after N bytes (until removed), so an interrupted download and the re-run can be shown through the
-real client."""
+uses (repo info, tree listing, HEAD/GET resolve). GET honours `Range: bytes=A-` / `bytes=A-B` as the hub does
+(206 + Content-Range; 416 past the end). `cut[file] = N` makes every GET of that file drop the connection after N
+bytes (until removed); `rate[file] = bytes/s` slows it down so a client can be killed part way; `sent[file]` counts
+the body bytes written to clients, the server-side measure of what a (resumed) download fetched."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,6 +24,10 @@ class Hub:
         self.repos = repos  # repo id -> directory with its files
         self.ranges: list[tuple[str, int]] = []  # (file, first byte) of every GET
         self.cut: dict[str, int] = {}  # file -> bytes served per GET before the connection drops (until removed)
+        self.rate: dict[str, float] = {}  # file -> bytes per second while serving it
+        self.sent: dict[str, int] = {}  # file -> body bytes written so far, all GETs together
+        self.lock = threading.Lock()
+        self._etags: dict[Path, str] = {}
         hub = self
 
         class H(BaseHTTPRequestHandler):
@@ -60,16 +67,32 @@ class Hub:
                     return p, name, repo
                 return self.send_error(404)
 
-            def _headers(self, p, name, repo, start=0):
+            def _etag(self, p):
+                with hub.lock:
+                    if p not in hub._etags:  # the hub's etag of an LFS file is its sha256
+                        hub._etags[p] = hashlib.sha256(p.read_bytes()).hexdigest()
+                    return hub._etags[p]
+
+            def _headers(self, p, name, repo, rng=None):
                 size = p.stat().st_size
-                self.send_response(206 if start else 200)
+                start, end = rng or (0, size - 1)
+                self.send_response(206 if rng else 200)
                 self.send_header("X-Repo-Commit", commit_of(repo))
-                self.send_header("ETag", '"' + hashlib.sha256(p.read_bytes()).hexdigest() + '"')
-                self.send_header("Content-Length", str(size - start))
-                if start:
-                    self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
+                self.send_header("ETag", '"' + self._etag(p) + '"')
+                self.send_header("Content-Length", str(end + 1 - start))
+                if rng:
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
                 self.send_header("Accept-Ranges", "bytes")
                 self.end_headers()
+
+            def _range(self, size):
+                """(start, end) of a satisfiable single `bytes=A-[B]` range; None without one; False past the end."""
+                h = self.headers.get("Range", "")
+                m = re.fullmatch(r"bytes=(\d+)-(\d*)", h.strip())
+                if not m:
+                    return None
+                start, end = int(m[1]), min(int(m[2]) if m[2] else size - 1, size - 1)
+                return (start, end) if start < size and start <= end else False
 
             def do_HEAD(self):
                 r = self._route()
@@ -81,19 +104,38 @@ class Hub:
                 if not r:
                     return
                 p, name, repo = r
-                rng = self.headers.get("Range", "")
-                start = int(rng.split("=")[1].split("-")[0]) if rng.startswith("bytes=") else 0
+                size = p.stat().st_size
+                rng = self._range(size)
+                if rng is False:
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{size}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                start, end = rng or (0, size - 1)
                 hub.ranges.append((name, start))
-                self._headers(p, name, repo, start)
-                data = p.read_bytes()[start:]
-                cut = hub.cut.get(name)
-                if cut is not None:
-                    self.wfile.write(data[:cut])
+                self._headers(p, name, repo, rng)
+                cut, rate = hub.cut.get(name), hub.rate.get(name)
+                todo = end + 1 - start if cut is None else min(cut, end + 1 - start)
+                step = 1 << 16
+                try:
+                    with open(p, "rb") as f:
+                        f.seek(start)
+                        while todo > 0:
+                            chunk = f.read(min(step, todo))
+                            self.wfile.write(chunk)
+                            with hub.lock:
+                                hub.sent[name] = hub.sent.get(name, 0) + len(chunk)
+                            todo -= len(chunk)
+                            if rate:
+                                time.sleep(len(chunk) / rate)
                     self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):  # the client went away (killed): nothing to finish
+                    self.close_connection = True
+                    return
+                if cut is not None:
                     self.close_connection = True
                     self.connection.shutdown(2)
-                    return
-                self.wfile.write(data)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

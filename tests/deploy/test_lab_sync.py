@@ -49,6 +49,8 @@ def test_rsync_blocked_ssh_gives_clear_error_then_resumes(lab, tmp_path):
     finally:
         lab.unblock_ssh()
         sh(f"tc qdisc del dev {lab.veth_h} root", check=False)
+    marker = lab.ssh(f"test -e {tmp_path}/worker-model/.twinspark-sync", check=False)
+    assert marker.returncode == 1, "an interrupted copy must not leave the skip marker"
     # The worker's rsync gives up too (--timeout) and keeps what it had in the partial dir.
     part = f"{tmp_path}/worker-model/.rsync-partial/big.safetensors"
     kept = int(lab.ssh(f"for i in $(seq 50); do pgrep -x rsync >/dev/null || break; sleep 0.5; done; "
@@ -60,6 +62,25 @@ def test_rsync_blocked_ssh_gives_clear_error_then_resumes(lab, tmp_path):
     assert sent <= (size - kept) * 1.1 + (1 << 20), f"re-sent {sent} bytes, {size - kept} were left"
     same = lab.ssh(f"cmp {model}/big.safetensors {tmp_path}/worker-model/big.safetensors", check=False)
     assert same.returncode == 0
+    assert "already matches" in invoke("sync", flags).stdout
+
+
+def test_rsync_marker_is_written_only_after_a_complete_copy(lab, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    wdir = tmp_path / "deep" / "worker-model"  # its parents are made by the worker side of the one rsync session
+    flags = _flags(lab, tmp_path, model, WORKER_MODEL_DIR=str(wdir))
+    lab.ssh(f"mkdir -p {wdir}/.twinspark-sync.tmp/blocker")  # the marker's temp name cannot be written
+    r = invoke("sync", flags)
+    assert r.returncode == 1, r.stdout + r.stderr
+    msg = r.stderr.strip()
+    assert len(msg.splitlines()) == 1 and "could not write the sync marker" in msg, msg
+    assert lab.ssh(f"cat {wdir}/config.json").stdout == "{}", "the files themselves were copied"
+    lab.ssh(f"rm -rf {wdir}/.twinspark-sync.tmp")
+    r = invoke("sync", flags)
+    assert r.returncode == 0 and "rsync: copied" in r.stdout, r.stdout + r.stderr
+    assert lab.ssh(f"ls -A {wdir}").stdout.split() == [".twinspark-sync", "config.json"]
     assert "already matches" in invoke("sync", flags).stdout
 
 

@@ -2,10 +2,13 @@
 
 HF_REPO (the EXL3 pack) goes into MODEL_DIR in full; from HF_ENGRAM_REPO only ENGRAM_FILES (Engram shards and
 the index), unless ENGRAM_DIR already holds them (then they are hard-linked, or copied across file systems).
-A re-run resumes per file: finished files are kept and skipped (huggingface_hub 2.x downloads each file into a
-process-unique temp file that is dropped on failure, so a file cut off mid-way starts again from its beginning). Afterwards files split as
-NAME.part00, NAME.part01, ... are joined into NAME (temp name, then rename) and checked against SHA256SUMS
-("<hex>  <name>" lines) when the repo has one. HF_ENDPOINT selects the hub (tests use a loopback server)."""
+Resumable: files of RESUME_MIN bytes or more (the shards) are fetched first by `hubget`, whose partial file survives
+an interrupted run and is continued with an HTTP Range request (huggingface_hub 2.x itself drops a partial file, so
+a cut-off shard would start again from byte 0); then `snapshot_download` fetches the rest and skips what is
+current. Afterwards files split as NAME.part00, NAME.part01, ... are joined into NAME (temp name, then rename) and
+checked against SHA256SUMS ("<hex>  <name>" lines) when the repo has one; a later run does not fetch the parts of a
+NAME that is already there. HF_ENDPOINT selects the hub (tests use a
+loopback server)."""
 
 from __future__ import annotations
 
@@ -13,25 +16,40 @@ import hashlib
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from twinspark.deploy import hubget
 from twinspark.deploy.errors import DeployError
 from twinspark.deploy.hosts import say
 
 MANIFEST = "SHA256SUMS"
 PART = re.compile(r"^(?P<name>.+)\.part(?P<idx>\d{2,})$")
+RESUME_MIN = 16 << 20  # files this large resume mid-file (hubget); smaller ones are fetched again whole
+WORKERS = 4
 
 
 def _snapshot(repo: str, dest: Path, allow: list[str] | None = None) -> None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    # NAME.partNN of a NAME already joined (written only after its sha256 check) are not fetched again.
+    ignore = [f"{p.name}.part*" for p in dest.iterdir() if p.is_file() and not p.name.startswith(".")] \
+        if dest.is_dir() else []
     try:
-        snapshot_download(repo_id=repo, local_dir=dest, allow_patterns=allow,
-                          endpoint=os.environ.get("HF_ENDPOINT") or None, max_workers=4)
+        big = [n for n, _ in hubget.large_files(repo, endpoint, allow, RESUME_MIN, ignore)]
+        with ThreadPoolExecutor(WORKERS) as pool:
+            for name, (got, had) in zip(big, pool.map(lambda n: hubget.fetch(repo, n, dest, endpoint), big)):
+                if had:
+                    say(f"download: {name} resumed at byte {had} ({got} bytes fetched now)")
+        snapshot_download(repo_id=repo, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore or None,
+                          endpoint=endpoint, max_workers=WORKERS)
+    except DeployError:
+        raise
     except HfHubHTTPError as e:
         raise DeployError(f"Downloading {repo} failed ({str(e).splitlines()[0]}); check the repo name and HF_TOKEN, "
-                          "then re-run (finished files are kept).") from None
+                          "then re-run (finished files and partial shards are kept).") from None
     except Exception as e:  # network drops surface as several httpx/OS error types
         raise DeployError(f"Downloading {repo} was interrupted ({type(e).__name__}: {str(e)[:120]}); re-run to "
                           "resume where it stopped.") from None
