@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))  # a source checkout works without installing
 
 from twinspark import benchkit as bk  # noqa: E402
+from twinspark.fileio import atomic_write  # noqa: E402
 
 
 def discover(bench_dir: Path, names: list[str]) -> list[Path]:
@@ -94,7 +95,7 @@ def build_report(results: list[dict], out_dir: Path, copy_gbps: float | None, an
     if png:
         _plot(bars, png)
         lines += ["", "![achieved vs ceiling and anchors](report.png)"]
-    bk._atomic_write(md, "\n".join(lines) + "\n")
+    atomic_write(md, "\n".join(lines) + "\n")
     return md, png
 
 

@@ -68,13 +68,13 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from twinspark.fileio import atomic_write
 from twinspark.paths import project_root
 
 L2_COLD_BYTES = 256 * 1024 * 1024  # >= 4x the largest L2 we run on (H200: 60 MB)
@@ -383,18 +383,6 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def default_out_dir() -> Path:
     """$TWINSPARK_BENCH_OUT (set by bench/run.py) or bench/results."""
     return Path(os.environ.get("TWINSPARK_BENCH_OUT") or "bench/results")
@@ -417,7 +405,7 @@ def write_results(name: str, records: Iterable[Record], out_dir: str | os.PathLi
         "records": [r.to_json() for r in recs],
     }
     path = Path(out_dir if out_dir is not None else default_out_dir()) / f"{name}.json"
-    _atomic_write(path, json.dumps(doc, indent=1) + "\n")
+    atomic_write(path, json.dumps(doc, indent=1) + "\n")
     return path
 
 

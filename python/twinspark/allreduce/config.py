@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from twinspark.fileio import atomic_write
 from twinspark.paths import project_root
 
 DEFAULT_PATH = project_root() / "configs" / "allreduce.json"
@@ -120,10 +120,4 @@ class AllreduceConfig:
         p = Path(path or self.path or DEFAULT_PATH)
         data = asdict(self)
         data.pop("path")
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=p.name, suffix=".tmp", dir=p.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, p)
-        return p
+        return atomic_write(p, json.dumps(data, indent=2) + "\n")

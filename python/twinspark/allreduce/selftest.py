@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from datetime import timedelta
 
 import torch
+
+from twinspark.fileio import atomic_write
 
 SIZES = [1, 17, 33, 4096 + 3, 8192, 65536, 7, 262144, 2, 100_000]  # elements; awkward and changing
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -139,10 +140,7 @@ def main(argv=None) -> int:
         res = run(args)
     except SystemExit as exc:
         res = {"rank": args.rank, "error": str(exc)}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f)
-    os.replace(tmp, args.out)
+    atomic_write(args.out, json.dumps(res))
     return 0 if "error" not in res else 1
 
 

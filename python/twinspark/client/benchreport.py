@@ -10,18 +10,7 @@ import tempfile
 from pathlib import Path
 
 from twinspark.client.http import ClientError
-
-
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from twinspark.fileio import atomic_write
 
 
 def metrics(doc: dict) -> dict[str, float]:
@@ -101,8 +90,8 @@ def save(doc: dict, out_dir: Path, stem: str) -> dict[str, Path]:
     """<stem>.json, <stem>.md and <stem>.png in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md", "png": out_dir / f"{stem}.png"}
-    _write(paths["json"], (json.dumps(doc, indent=1) + "\n").encode())
-    _write(paths["md"], markdown(doc).encode())
+    atomic_write(paths["json"], json.dumps(doc, indent=1) + "\n")
+    atomic_write(paths["md"], markdown(doc))
     plot(doc, paths["png"])
     return paths
 

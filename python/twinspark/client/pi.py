@@ -12,12 +12,12 @@ import datetime as dt
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from twinspark.client.http import API_KEY_ENV, ClientError
+from twinspark.fileio import atomic_write
 
 PROVIDER = "twinspark"
 EXTENSION = "twinspark-drop-max-tokens.ts"
@@ -81,15 +81,7 @@ def _write(path: Path, text: str, stamp: str, out: Installed, dry_run: bool) -> 
         backup = path.with_name(f"{path.name}.bak-{stamp}")
         shutil.copy2(path, backup)
         out.backups.append(backup)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, text, mode=0o600)
     out.written.append(path)
 
 

@@ -8,6 +8,8 @@ import os
 import secrets
 from pathlib import Path
 
+from twinspark.fileio import atomic_write
+
 FILE = "api-key"
 
 
@@ -25,12 +27,7 @@ def api_key(s, dry_run: bool = False) -> str | None:
     key = "sk-ts-" + secrets.token_urlsafe(32)
     if dry_run:
         return key
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    os.replace(tmp, p)
+    atomic_write(p, key + "\n", mode=0o600)
     return key
 
 

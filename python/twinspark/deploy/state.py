@@ -5,10 +5,10 @@ rather than on a config that may have changed since."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from twinspark.deploy.errors import DeployError
+from twinspark.fileio import atomic_write
 
 FILE = "deployment.json"
 
@@ -18,11 +18,7 @@ def path(state_dir: Path) -> Path:
 
 
 def save(state_dir: Path, data: dict) -> None:
-    p = path(state_dir)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, p)
+    atomic_write(path(state_dir), json.dumps(data, indent=1, default=str))
 
 
 def load(state_dir: Path, required: bool = True) -> dict | None:
