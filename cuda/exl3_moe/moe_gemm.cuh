@@ -2,19 +2,24 @@
 //
 //   gate/up (DOWN = false): block (item, 128 output columns of gate or up, k-split part). A = rows of x gathered
 //     by token, times suh, 128-point Hadamard, fp16. Output: raw sums (before the output Hadamard) into the
-//     fp32 gate/up buffer [P, 2I] at the pair's row (stores, or fp32 atomics when split over k).
+//     fp32 gate/up buffer [splitk][P][2I] at the pair's row (each k-split part writes its own partial sums).
 //   down (DOWN = true): block (item, 128 output columns of down). A = the pair's gate/up sums: output Hadamard,
 //     svh, SiLU(gate) * up (clamped), suh of down, input Hadamard, fp16. Output: Hadamard, svh, times the pair's
 //     routing weight, fp32 atomics into out32 [T, H]; with fuse_convert the last block of each 128 columns
 //     writes them to `out` in x's dtype.
 //
-// An item is up to 16*MT rows (routed pairs) of one expert. Per 128-deep k-block (one Hadamard block) the
-// block stages the 8x8 trellis tiles of its k-block with cp.async (double-buffered) while warps build the next
-// A block; warp w owns output tile column w: it decodes its 8 tiles into registers (B fragments) and runs
-// mma.m16n8k16 against every 16-row group of A. The rate of each expert is read on the device (experts may
-// differ in K); one switch per block picks the decode template.
-// Dynamic shared memory: 2 * 16*MT * 136 fp16 (A) + 2 * 64 tiles * max_words int16 (trellis):
-// MT = 4, K = 8: 67 KB; MT = 1, K <= 4: 25 KB (<= 99 KB: GB10).
+// An item is up to 16*MT rows (routed pairs) of one expert; warp w owns output tile column w and decodes its 8
+// tiles per 128-deep k-block (one Hadamard block) into registers with the GEMM's decoder (exl3/decode_tile.cuh).
+// The rate of each expert is read on the device (experts may differ in K); one switch per block picks the decode
+// template.
+// - MT = 1 (decode, 16-row items): A of up to kChunkKb k-blocks is built at once (one memory round trip), the
+//   trellis streams through a kStages cp.async ring, and the tile is the mma A operand (W_hat^T) against 8 rows of
+//   x' (one mma per tile while the item has <= 8 rows). Shared memory: kChunkKb * 16 * 136 fp16 + kStages * 64
+//   tiles * max_words int16 = 34 + 12 KB at K = 2, 34 + 48 KB at K = 8.
+// - MT = 4 (prefill, 64-row items): A and the tiles of the next k-block are built/staged while this one is
+//   multiplied (double buffers); the tile is the mma B operand against 4 groups of 16 rows. 2 * 64 * 136 fp16 +
+//   2 * 64 tiles * max_words int16 = 67 KB at K = 8.
+// All <= 99 KB (GB10).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
