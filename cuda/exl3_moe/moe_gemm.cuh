@@ -204,14 +204,16 @@ __device__ __forceinline__ void produce_a(const GemmParams& p, const RowTables& 
 // The A blocks of k-blocks kb0 .. kb0+n-1 at once (16-row items): tasks (k-block, row) are spread over the warps
 // k-block first, so the few real rows of a decode item land on different warps and their loads overlap (one
 // memory round trip per chunk instead of one per k-block). Block j lives at a + j * 16 * kAStride.
+// Only rows < rcnt are written: in the transposed mma of 16-row items a row of A is a column of the product, and
+// the columns of rows >= rcnt are never stored, so whatever those rows hold cannot reach the output.
 template <bool DOWN>
 __device__ __forceinline__ void produce_chunk(const GemmParams& p, const RowTables& rows, int rcnt, int e, int mat,
                                               int kb0, int n, __half* a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int i = warp; i < 16 * n; i += kThreads / 32) {
-    const int j = i % n, r = i / n;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (r < rcnt) a_row<DOWN>(p, rows, r, e, mat, kb0 + j, v);
+  for (int i = warp; i < rcnt * n; i += kThreads / 32) {
+    const int r = i / n, j = i - r * n;
+    float v[4];
+    a_row<DOWN>(p, rows, r, e, mat, kb0 + j, v);
     *reinterpret_cast<uint2*>(a + (j * 16 + r) * kAStride + lane * 4) = pack4_half(v);
   }
 }
