@@ -357,8 +357,7 @@ void Store::run_rows(Batch& b, int64_t begin, int64_t end, uint8_t* iobuf) {
       }
     }
     if (!ok) std::memset(record, 0, kRecordBytes);  // foreign id, -1, or a failed read (reported below)
-    std::memcpy(b.weight + i * kWeightBytes, record, kWeightBytes);
-    std::memcpy(b.scale + i * kScaleBytes, record + kWeightBytes, kScaleBytes);
+    b.write_row(i, record);
   }
   if (!error.empty()) fail_row(b, error);
 }

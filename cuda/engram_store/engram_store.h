@@ -17,6 +17,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -59,6 +60,11 @@ struct Batch {
   std::string error;  // first error, empty when all rows were read
 
   int64_t id(int64_t i) const { return ids64 ? ids64[i] : static_cast<int64_t>(ids32[i]); }
+  // Row i of the output from one record (weight then scale bytes).
+  void write_row(int64_t i, const uint8_t* record) {
+    std::memcpy(weight + i * kWeightBytes, record, kWeightBytes);
+    std::memcpy(scale + i * kScaleBytes, record + kWeightBytes, kScaleBytes);
+  }
   void wait();  // blocks until every row is written
   bool ready();
 };

@@ -25,11 +25,6 @@ struct RowSlot {
   bool failed = false;
 };
 
-void write_row(Batch& b, int64_t i, const uint8_t* record) {
-  std::memcpy(b.weight + i * kWeightBytes, record, kWeightBytes);
-  std::memcpy(b.scale + i * kScaleBytes, record + kWeightBytes, kScaleBytes);
-}
-
 }  // namespace
 
 void Store::async_worker(int index) {
@@ -70,7 +65,7 @@ void Store::async_worker(int index) {
       }
       if (cache_) cache_->put(r.id, record);
     }
-    write_row(*r.batch, r.index, record);
+    r.batch->write_row(r.index, record);
     rows_finished(*r.batch, 1);
     r.batch.reset();
     free_slots.push_back(s);
@@ -85,7 +80,7 @@ void Store::async_worker(int index) {
       std::memset(record, 0, kRecordBytes);
       fail_row(b, error);
     }
-    write_row(b, i, record);
+    b.write_row(i, record);
   };
   auto queue_failed = [&](const std::string& why) {
     {
@@ -141,13 +136,13 @@ void Store::async_worker(int index) {
       const int64_t id = b.id(i);
       if (id < first_row_ || id >= end_row_) {  // foreign id or -1: zero row
         std::memset(record, 0, kRecordBytes);
-        write_row(b, i, record);
+        b.write_row(i, record);
         ++cur_done;
         continue;
       }
       if (cache_ && cache_->get(id, record)) {
         hits_.fetch_add(1, std::memory_order_relaxed);
-        write_row(b, i, record);
+        b.write_row(i, record);
         ++cur_done;
         continue;
       }
