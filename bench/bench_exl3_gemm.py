@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from twinspark import benchkit as bk  # noqa: E402
 from twinspark.exl3.layer import Exl3Layer, random_layer  # noqa: E402
 from twinspark.ops import exl3_gemm  # noqa: E402
-from twinspark.ops.exl3_gemm import plan  # noqa: E402
+from twinspark.ops.exl3_gemm import fused_available, plan  # noqa: E402
 
 SHAPES = ((1152, 5120), (5120, 1152), (4096, 5120), (5120, 4096), (5120, 12288))
 KS = (2, 3, 4)
 MS = (1, 4, 16, 64, 256, 1024)
-CROSSOVER_MS = (32, 128)  # both variants timed here to place LARGE_M
+CROSSOVER_MS = (32, 128)  # every variant timed here to place LARGE_M (and fused vs large at m >= 256)
 
 # ---------------------------------------------------------------------------------------------- GB10 model
 GB10_BW = 273e9  # bytes/s, LPDDR5x peak (the number)
@@ -103,6 +103,9 @@ def _time_graph(layers, x, out, variant=None, replays=7, prep=None) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="m in {1, 16, 256} and K=2 only")
+    ap.add_argument("--ms", type=lambda s: tuple(int(v) for v in s.split(",")), help="m values (default: all)")
+    ap.add_argument("--ks", type=lambda s: tuple(int(v) for v in s.split(",")), help="K values (default: 2,3,4)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the split-k / prep sweeps")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_exl3_gemm: no CUDA GPU visible; run it on a GPU machine", file=sys.stderr)
@@ -112,8 +115,10 @@ def main(argv=None) -> int:
     copy = bk.copy_ceiling_gbps(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     anchors = bk.load_anchors()
-    ms = (1, 16, 256) if a.quick else MS
-    ks = (2,) if a.quick else KS
+    ms = a.ms or ((1, 16, 256) if a.quick else MS)
+    ks = a.ks or ((2,) if a.quick else KS)
+    fused = fused_available(dev)
+    large_variants = ["fused", "large"] if fused else ["large"]
     print(f"copy ceiling {copy:.0f} GB/s on {torch.cuda.get_device_name()} ({sms} SMs)", flush=True)
     dense: dict[tuple[int, int, int], float] = {}
     records: list[bk.Record] = []
@@ -123,11 +128,14 @@ def main(argv=None) -> int:
     for k, n in SHAPES:
         for K in ks:
             layers, tbytes = _layers(k, n, K, dev, gen)
-            for m in sorted(set(ms) | (set(CROSSOVER_MS) if not a.quick else set())):
+            for m in sorted(set(ms) | (set(CROSSOVER_MS) if not (a.quick or a.ms) else set())):
                 x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
                 out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-                chosen = plan(m, k, n, K, sms).variant
-                variants = [chosen] if m not in CROSSOVER_MS else ["small", "large"]
+                chosen_plan = plan(m, k, n, K, sms, fused=fused)
+                chosen = chosen_plan.variant
+                variants = [chosen] if m not in CROSSOVER_MS else ["small"] + large_variants
+                if m >= 256 and fused:  # both prefill variants, to place FUSED_MAX_M
+                    variants = [chosen] + [v for v in large_variants if v != chosen]
                 if (k, n, m) not in dense and m in ms:
                     dense[(k, n, m)] = bk.bf16_dense_us(m, k, n, device=dev)
                 for var in variants:
@@ -142,7 +150,9 @@ def main(argv=None) -> int:
                                     flops=2 * m * k * n, anchor_us=an.upstream_us if an else None, dense_us=d,
                                     variant=var if main_rec else f"{var} (crossover)",
                                     notes=f"graph_us={tg:.2f} gb10_bounded_us={g['bounded_us']:.1f} "
-                                          f"gb10_naive_us={g['naive_us']:.1f}")
+                                          f"gb10_naive_us={g['naive_us']:.1f}"
+                                          + (f" block={chosen_plan.block} splits={chosen_plan.splits}"
+                                             if var == chosen == "fused" else ""))
                     records.append(rec)
                     gbs = rec.gbps or 0.0
                     print(f"{k:>5} {n:>6} {K:>2} {m:>5} {var:>5} {t.median_us:8.1f} {gbs:7.0f} {100 * gbs / copy:6.1f} "
@@ -162,7 +172,7 @@ def main(argv=None) -> int:
     summary += ["", "Same targets with the kernel's time from CUDA-graph replay (host launch cost removed; the "
                 "upstream and dense numbers stay eager):"] + summarize(graph_records)
     print("\n" + "\n".join(summary), flush=True)
-    if not a.quick:
+    if not (a.quick or a.no_sweep):
         records += sweep_split(dev, gen, copy)
     path = bk.write_results("exl3_gemm", records, ceilings={"copy_gbps": copy})
     png = plot(main_records, path.with_name("exl3_gemm.png"))

@@ -11,7 +11,16 @@ import torch
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import Exl3Layer, random_layer
 from twinspark.ops import exl3_gemm
-from twinspark.ops.exl3_gemm import LARGE_M, M_SLICE, PREP_GROUPS, PREP_WORK, plan
+from twinspark.ops.exl3_gemm import (
+    FUSED_BLOCKS,
+    FUSED_MAX_M,
+    LARGE_M,
+    M_SLICE,
+    PREP_GROUPS,
+    PREP_WORK,
+    fused_available,
+    plan,
+)
 from twinspark.testing import poison_allocator, rel_l2
 
 # Tolerances (relative L2 vs the fp32 reference): the kernels round x' = H(x ⊙ suh) to fp16 (~2^-12 RMS
@@ -56,13 +65,16 @@ def test_opcheck(gen):
                           (x, layer.trellis, layer.suh, layer.svh, layer.bias, 3.0, "mcg"))
 
 
-def test_plan_table_is_consistent():
-    """Every split covers >= 1 chunk, all chunks are covered, token groups hold the slice."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_plan_table_is_consistent(fused):
+    """Every split covers >= 1 chunk, all chunks are covered, token groups hold the slice; prefill goes to the
+    fused kernel where it runs (sm_90) up to FUSED_MAX_M and to the dequantize path above and elsewhere."""
     for m in (1, 7, 8, 9, 16, 33, 63, 64, 65, 128, 129, 4096):
         for k, n in ANCHOR_SHAPES + AWKWARD_SHAPES:
-            p = plan(m, k, n, 3, sms=132)
+            p = plan(m, k, n, 3, sms=132, fused=fused)
             if m > LARGE_M:
-                assert p.variant == "large"
+                assert p.variant == ("fused" if fused and m <= FUSED_MAX_M else "large")
+                assert fused or (p.block, p.splits) == (0, 0)
                 continue
             chunks = k // 128
             assert p.variant == "small" and p.groups in (1, 2, 4, 8)
@@ -90,6 +102,21 @@ def test_k_n_not_multiple_of_128(gen):
     layer = random_layer(144, 128, 2, "mul1", generator=gen)
     with pytest.raises(ValueError, match="must be multiples of 128"):
         exl3_gemm(torch.randn(1, 144).half(), layer)
+
+
+def test_fused_split_k():
+    """k is split only when the blocks leave SMs idle, never past one round of blocks, and every split covers at
+    least one chunk of 64 rows (the kernel's launcher refuses an empty split)."""
+    for m in (65, 128, 256, 300, 1024, 4096):
+        for k, n in ANCHOR_SHAPES + AWKWARD_SHAPES:
+            p = plan(m, k, n, 2, 132, variant="fused", fused=True)
+            cols, tokens, per_sm = FUSED_BLOCKS[p.block]
+            blocks = -(-n // cols) * -(-m // tokens)
+            assert p.splits * blocks <= max(132 * per_sm, blocks)
+            assert (p.splits - 1) * p.chunks_per_split < k // 64 <= p.splits * p.chunks_per_split
+    assert plan(256, 5120, 1152, 2, 132, fused=True).splits > 1  # 5 x 2 blocks alone would leave 122 SMs idle
+    with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+        plan(256, 128, 128, 2, 132, variant="fused", fused=False)
 
 
 def test_bad_out(gen):
@@ -136,12 +163,29 @@ def test_kernel_parity_other_rates(K, gen, cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["small", "large"])
-def test_both_variants_at_every_m(variant, gen, cuda, monkeypatch):
-    """The table sends m > LARGE_M to 'large'; force each variant at the other's m (small slices 64 tokens)."""
+@pytest.mark.parametrize("variant", ["small", "fused", "large"])
+def test_every_variant_at_every_m(variant, gen, cuda, monkeypatch):
+    """The table sends m > LARGE_M to 'fused' (sm_90) or 'large'; force each variant at the others' m (small
+    slices 64 tokens; fused takes 128- and 256-token blocks, partial ones included)."""
+    if variant == "fused" and not fused_available(cuda):
+        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
     monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", variant)
-    layer = random_layer(1024, 768, 3, "mul1", bias=True, generator=gen)
-    _check_case(layer, torch.float16, (1, 17, 65, 300), cuda, gen, variant)
+    for K, codebook in ((3, "mul1"), (2, "3inst"), (5, "mcg")):
+        layer = random_layer(1024, 768, K, codebook, bias=True, generator=gen)
+        _check_case(layer, torch.float16, (1, 17, 65, 300), cuda, gen, f"{variant} {codebook} K={K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", sorted(FUSED_BLOCKS))
+def test_fused_block_shapes_and_split_k(block, gen, cuda, monkeypatch):
+    """Every fused block shape, a half 256-column strip (n = 640), split k (few blocks) and partial token blocks."""
+    if not fused_available(cuda):
+        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
+    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", "fused")
+    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_BLOCK", str(block))
+    for K, codebook in ((2, "mul1"), (4, "mcg"), (1, "3inst")):
+        layer = random_layer(1152, 640, K, codebook, bias=True, generator=gen)
+        _check_case(layer, torch.bfloat16, (65, 129, 300, 513), cuda, gen, f"block={block} {codebook} K={K}")
 
 
 @pytest.mark.gpu

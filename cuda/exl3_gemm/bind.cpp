@@ -67,16 +67,43 @@ void bind_exl3_gemm(py::module_& m) {
       py::arg("x"), py::arg("x_stride"), py::arg("bf16"), py::arg("suh"), py::arg("m"), py::arg("k"), py::arg("xh"),
       py::arg("stream"));
   m.def(
+      "exl3_gemm_prep_x_blocked",
+      [](std::uintptr_t x, long x_stride, bool bf16, std::uintptr_t suh, int m, int k, std::uintptr_t xb,
+         std::uintptr_t stream) {
+        twinspark::check_launch(twinspark::exl3_gemm_prep_x_blocked(
+                                    twinspark::ptr<const void>(x), x_stride, bf16, twinspark::ptr<const void>(suh), m,
+                                    k, twinspark::ptr<void>(xb), twinspark::stream(stream)),
+                                "exl3_gemm (prep_x_blocked)");
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("bf16"), py::arg("suh"), py::arg("m"), py::arg("k"), py::arg("xb"),
+      py::arg("stream"));
+  m.def(
+      "exl3_gemm_fused",
+      [](std::uintptr_t xb, std::uintptr_t trellis, std::uintptr_t y, int m, int k, int n, int K, int codebook,
+         int block, int chunks_per_split, int splits, std::uintptr_t stream) {
+        twinspark::Exl3GemmFusedArgs a{};
+        a.xb = twinspark::ptr<const void>(xb);
+        a.trellis = twinspark::ptr<const int16_t>(trellis);
+        a.y = twinspark::ptr<void>(y);
+        a.m = m, a.k = k, a.n = n;
+        a.chunks_per_split = chunks_per_split;
+        a.splits = splits;
+        twinspark::check_launch(twinspark::exl3_gemm_fused(a, K, codebook, block, twinspark::stream(stream)),
+                                "exl3_gemm (fused)");
+      },
+      py::arg("xb"), py::arg("trellis"), py::arg("y"), py::arg("m"), py::arg("k"), py::arg("n"), py::arg("K"),
+      py::arg("codebook"), py::arg("block"), py::arg("chunks_per_split"), py::arg("splits"), py::arg("stream"));
+  m.def(
       "exl3_gemm_epilogue",
-      [](std::uintptr_t y, std::uintptr_t svh, std::uintptr_t bias, int m, int n, std::uintptr_t out, long out_stride,
-         bool bf16, std::uintptr_t stream) {
+      [](std::uintptr_t y, int splits, std::uintptr_t svh, std::uintptr_t bias, int m, int n, std::uintptr_t out,
+         long out_stride, bool bf16, std::uintptr_t stream) {
         twinspark::check_launch(
-            twinspark::exl3_gemm_epilogue(twinspark::ptr<const void>(y), twinspark::ptr<const void>(svh),
+            twinspark::exl3_gemm_epilogue(twinspark::ptr<const void>(y), splits, twinspark::ptr<const void>(svh),
                                           twinspark::ptr<const void>(bias), m, n, twinspark::ptr<void>(out), out_stride,
                                           bf16, twinspark::stream(stream)),
             "exl3_gemm (epilogue)");
       },
-      py::arg("y"), py::arg("svh"), py::arg("bias"), py::arg("m"), py::arg("n"), py::arg("out"), py::arg("out_stride"),
-      py::arg("bf16"), py::arg("stream"));
+      py::arg("y"), py::arg("splits"), py::arg("svh"), py::arg("bias"), py::arg("m"), py::arg("n"), py::arg("out"),
+      py::arg("out_stride"), py::arg("bf16"), py::arg("stream"));
 }
 #endif

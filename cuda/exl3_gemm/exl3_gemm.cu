@@ -11,26 +11,34 @@ namespace {
 
 // One warp per (row, 128-column block): 8 warps per block.
 __global__ void __launch_bounds__(256)
-    prep_x_kernel(const void* __restrict__ x, long x_stride, bool bf16, const half* __restrict__ suh, int m, int k,
-                  half* __restrict__ xh) {
+    prep_x_kernel(const void* __restrict__ x, long x_stride, bool bf16, const half* __restrict__ suh, int m, int rows,
+                  int k, bool blocked, half* __restrict__ xh) {
   const int lane = threadIdx.x & 31;
   const long item = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   const int blocks = k >> 7;
-  if (item >= static_cast<long>(m) * blocks) return;
+  if (item >= static_cast<long>(rows) * blocks) return;
   const long row = item / blocks;
   const int c = static_cast<int>(item - row * blocks);
-  float v[4], s[4];
-  exl3::load4(static_cast<const char*>(x) + (row * x_stride + 128 * c + 4 * lane) * 2, bf16, v);
-  exl3::load4_half(suh + 128 * c + 4 * lane, s);
+  float v[4] = {0.f, 0.f, 0.f, 0.f}, s[4];
+  if (row < m) {  // rows m..rows-1: zero padding of the blocked layout's last token group
+    exl3::load4(static_cast<const char*>(x) + (row * x_stride + 128 * c + 4 * lane) * 2, bf16, v);
+    exl3::load4_half(suh + 128 * c + 4 * lane, s);
 #pragma unroll
-  for (int e = 0; e < 4; ++e) v[e] *= s[e];
-  exl3::hadamard128_warp(v, lane);
-  exl3::store4(xh + row * k + 128 * c + 4 * lane, false, v);
+    for (int e = 0; e < 4; ++e) v[e] *= s[e];
+    exl3::hadamard128_warp(v, lane);
+  }
+  const int col = 128 * c + 4 * lane;
+  // blocked: [k/64][rows][64] with the 16-byte pieces of each 128-byte row XOR-permuted by row % 8 (the wgmma
+  // 128-byte swizzle; fused_sm90.cuh: one chunk of a token range is one contiguous copy); else row-major [rows, k]
+  const long idx =
+      blocked ? (static_cast<long>(col >> 6) * rows + row) * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7)
+              : row * k + col;
+  exl3::store4(xh + idx, false, v);
 }
 
 __global__ void __launch_bounds__(256)
-    epilogue_kernel(const half* __restrict__ y, const half* __restrict__ svh, const half* __restrict__ bias, int m,
-                    int n, void* __restrict__ out, long out_stride, bool bf16) {
+    epilogue_kernel(const void* __restrict__ y, int splits, const half* __restrict__ svh, const half* __restrict__ bias,
+                    int m, int n, void* __restrict__ out, long out_stride, bool bf16) {
   const int lane = threadIdx.x & 31;
   const long item = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   const int blocks = n >> 7;
@@ -38,7 +46,17 @@ __global__ void __launch_bounds__(256)
   const long row = item / blocks;
   const int c = static_cast<int>(item - row * blocks);
   float v[4], sv[4], bs[4] = {0.f, 0.f, 0.f, 0.f};
-  exl3::load4_half(y + row * n + 128 * c + 4 * lane, v);
+  const long at = row * n + 128 * c + 4 * lane;
+  if (splits == 0) {
+    exl3::load4_half(static_cast<const half*>(y) + at, v);
+  } else {  // fp32 partials of a split-k fused GEMM
+    v[0] = v[1] = v[2] = v[3] = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float4 q =
+          *reinterpret_cast<const float4*>(static_cast<const float*>(y) + s * static_cast<long>(m) * n + at);
+      v[0] += q.x, v[1] += q.y, v[2] += q.z, v[3] += q.w;
+    }
+  }
   exl3::load4_half(svh + 128 * c + 4 * lane, sv);
   if (bias) exl3::load4_half(bias + 128 * c + 4 * lane, bs);
   exl3::hadamard128_warp(v, lane);
@@ -119,17 +137,58 @@ cudaError_t exl3_gemm_prep_x(const void* x, long x_stride, bool bf16, const void
   if (m < 1 || k % 128 || x_stride % 4) return cudaErrorInvalidValue;
   const long items = static_cast<long>(m) * (k / 128);
   prep_x_kernel<<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
-      x, x_stride, bf16, static_cast<const half*>(suh), m, k, static_cast<half*>(xh));
+      x, x_stride, bf16, static_cast<const half*>(suh), m, m, k, false, static_cast<half*>(xh));
   return cudaGetLastError();
 }
 
-cudaError_t exl3_gemm_epilogue(const void* y, const void* svh, const void* bias, int m, int n, void* out,
+cudaError_t exl3_gemm_prep_x_blocked(const void* x, long x_stride, bool bf16, const void* suh, int m, int k, void* xb,
+                                     cudaStream_t stream) {
+  if (m < 1 || k % 128 || x_stride % 4) return cudaErrorInvalidValue;
+  const int rows = (m + 7) / 8 * 8;
+  const long items = static_cast<long>(rows) * (k / 128);
+  prep_x_kernel<<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
+      x, x_stride, bf16, static_cast<const half*>(suh), m, rows, k, true, static_cast<half*>(xb));
+  return cudaGetLastError();
+}
+
+cudaError_t exl3_gemm_fused(const Exl3GemmFusedArgs& a, int K, int codebook, int block, cudaStream_t stream) {
+  if (a.m < 1 || a.k % 128 || a.n % 128 || block < 0 || block > 2 || a.splits < 1 || a.chunks_per_split < 1 ||
+      (a.splits - 1) * a.chunks_per_split >= a.k / 64) {
+    return cudaErrorInvalidValue;
+  }
+  int dev = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err != cudaSuccess) return err;
+  if (major != 9) return cudaErrorInvalidDeviceFunction;  // wgmma: sm_90a only
+  switch (K) {
+    case 1:
+      return exl3_gemm_fused_k1(a, codebook, block, stream);
+    case 2:
+      return exl3_gemm_fused_k2(a, codebook, block, stream);
+    case 3:
+      return exl3_gemm_fused_k3(a, codebook, block, stream);
+    case 4:
+      return exl3_gemm_fused_k4(a, codebook, block, stream);
+    case 5:
+      return exl3_gemm_fused_k5(a, codebook, block, stream);
+    case 6:
+      return exl3_gemm_fused_k6(a, codebook, block, stream);
+    case 7:
+      return exl3_gemm_fused_k7(a, codebook, block, stream);
+    case 8:
+      return exl3_gemm_fused_k8(a, codebook, block, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t exl3_gemm_epilogue(const void* y, int splits, const void* svh, const void* bias, int m, int n, void* out,
                                long out_stride, bool bf16, cudaStream_t stream) {
-  if (m < 1 || n % 128 || out_stride % 4) return cudaErrorInvalidValue;
+  if (m < 1 || n % 128 || out_stride % 4 || splits < 0) return cudaErrorInvalidValue;
   const long items = static_cast<long>(m) * (n / 128);
   epilogue_kernel<<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
-      static_cast<const half*>(y), static_cast<const half*>(svh), static_cast<const half*>(bias), m, n, out, out_stride,
-      bf16);
+      y, splits, static_cast<const half*>(svh), static_cast<const half*>(bias), m, n, out, out_stride, bf16);
   return cudaGetLastError();
 }
 

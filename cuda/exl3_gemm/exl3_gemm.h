@@ -38,15 +38,34 @@ struct Exl3GemmSmallArgs {
 // (the caller slices larger m). groups = tokens / 8 rounded up to 1, 2, 4 or 8.
 cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int groups, cudaStream_t stream);
 
-// Large-m helpers (the GEMM itself is a dense fp16 matmul on W_hat):
+// Fused large-m path (sm_90a only; the launcher returns cudaErrorInvalidDeviceFunction on other GPUs):
+// y' = x' · W_hat with the trellis decoded into wgmma operands (fused_sm90.cuh). xb = x' in the blocked layout of
+// exl3_gemm_prep_x_blocked; block: 0 = 128 columns x 256 tokens, 1 = 256 x 128, 2 = 128 x 128 per block;
+// k split in `splits` parts of chunks_per_split 64-row chunks. y: fp16 [m, n] when splits == 1, else fp32
+// partials [splits, m, n]; finish with exl3_gemm_epilogue (which sums the partials).
+struct Exl3GemmFusedArgs {
+  const void* xb;
+  const int16_t* trellis;
+  void* y;
+  int m, k, n;
+  int chunks_per_split;
+  int splits;
+};
+cudaError_t exl3_gemm_fused(const Exl3GemmFusedArgs& a, int K, int codebook, int block, cudaStream_t stream);
+// xb = fp16(Hk(x ⊙ suh)) as [k/64][ceil(m/8)*8 rows][64], 128-byte swizzled (rows m.. of the last group zero).
+cudaError_t exl3_gemm_prep_x_blocked(const void* x, long x_stride, bool bf16, const void* suh, int m, int k, void* xb,
+                                     cudaStream_t stream);
+
+// Large-m helpers of the dequantize path (the GEMM itself is a dense fp16 matmul on W_hat):
 // wt[n, k] fp16 = W_hat^T (bit-exact), trellis as above (k, n multiples of 128).
 cudaError_t exl3_gemm_dequant_t(const int16_t* trellis, int k, int n, int K, int codebook, void* wt,
                                 cudaStream_t stream);
 // xh[m, k] fp16 = fp16(Hk(x ⊙ suh)); x as above, xh contiguous.
 cudaError_t exl3_gemm_prep_x(const void* x, long x_stride, bool bf16, const void* suh, int m, int k, void* xh,
                              cudaStream_t stream);
-// out[m, n] = Hn(y) ⊙ svh + bias; y fp16 [m, n] contiguous, out in x's dtype with row stride out_stride.
-cudaError_t exl3_gemm_epilogue(const void* y, const void* svh, const void* bias, int m, int n, void* out,
+// out[m, n] = Hn(y) ⊙ svh + bias; y fp16 [m, n] contiguous (splits == 0) or the sum of fp32 partials
+// [splits, m, n] (splits >= 1); out in x's dtype with row stride out_stride.
+cudaError_t exl3_gemm_epilogue(const void* y, int splits, const void* svh, const void* bias, int m, int n, void* out,
                                long out_stride, bool bf16, cudaStream_t stream);
 
 // Capture sequence id of the stream's current graph capture (0 when not capturing): lets the Python side emit
@@ -57,7 +76,8 @@ cudaError_t exl3_gemm_capture_id(cudaStream_t stream, unsigned long long* id);
 #define TWINSPARK_EXL3_GEMM_DECLARE(K)                                                                           \
   cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream);   \
   cudaError_t exl3_gemm_dequant_t_k##K(const int16_t* trellis, int tiles_k, int tiles_n, int codebook, void* wt, \
-                                       cudaStream_t stream);
+                                       cudaStream_t stream);                                                     \
+  cudaError_t exl3_gemm_fused_k##K(const Exl3GemmFusedArgs& a, int codebook, int block, cudaStream_t stream);
 TWINSPARK_EXL3_GEMM_DECLARE(1)
 TWINSPARK_EXL3_GEMM_DECLARE(2)
 TWINSPARK_EXL3_GEMM_DECLARE(3)

@@ -1,5 +1,7 @@
-// Small-m EXL3 GEMM kernels for K = 7 bits (all codebooks, 1/2/4/8 token groups): one translation unit per
-// rate so the 96 kernels compile in parallel.
+// EXL3 GEMM kernels for K = 7 bits, all codebooks: small-m (1/2/4/8 token groups) and fused large-m (sm_90a).
+// One translation unit per rate so the rates compile in parallel.
+#include "exl3_gemm/fused_sm90.cuh"
 #include "exl3_gemm/small_m.cuh"
 
 TWINSPARK_EXL3_GEMM_DEFINE(7)
+TWINSPARK_EXL3_GEMM_FUSED_DEFINE(7)

@@ -4,8 +4,11 @@ Kernel variants (the one table is `plan`; cuda/exl3_gemm/README.md says why each
 - ``small`` (m <= LARGE_M): decode the trellis in registers straight into mma.sync fragments, split k across
   blocks, reduce in an fp32 per-stream workspace; suh, both Hadamard transforms, svh and bias fused. Tokens go
   in slices of 64 per launch.
-- ``large`` (m > LARGE_M, prefill): W_hat^T decoded once into an fp16 workspace (dequant_t), x' =
-  H(x ⊙ suh) in fp16, a dense fp16 tensor-core matmul (torch.mm / cuBLAS), then Hn, svh and bias in one kernel.
+- ``fused`` (LARGE_M < m <= FUSED_MAX_M on sm_90): x' = H(x ⊙ suh) in fp16 (blocked layout), then one kernel decodes
+  the trellis straight into wgmma register operands and multiplies by x' (W_hat never touches memory), then Hn,
+  svh and bias in one kernel. Block shape and split-k from the same table (fused_shape).
+- ``large`` (larger m, and every m > LARGE_M off sm_90, e.g. GB10): W_hat^T decoded once into an fp16 workspace (dequant_t), x' in
+  fp16, a dense fp16 tensor-core matmul (torch.mm / cuBLAS), then Hn, svh and bias in one kernel.
 
 Graph safety: no host sync, no tuning (the table is static), and the only state is a workspace per (device,
 stream) that the small kernel leaves zeroed after every call (its last block per strip clears what it read).
@@ -34,7 +37,10 @@ from twinspark.reference.exl3_gemm import exl3_gemm as _reference
 OP = "exl3_gemm"
 _X_DTYPES = (torch.float16, torch.bfloat16)
 M_SLICE = 64  # tokens per launch of the small-m kernel (8 groups of 8: 32 fp32 accumulators per lane)
-LARGE_M = 64  # m above this takes the dequantize + dense matmul path (README: crossover measured on the H200)
+LARGE_M = 64  # m above this takes the fused (sm_90) or dequantize + dense matmul path (README: H200 crossover)
+# The fused kernel up to this m; above it the dequantize path (its W_hat round trip is paid once for many tokens,
+# and cuBLAS outruns the fused kernel's tensor-core use): H200, bench_exl3_gemm.py, NOTES.md v5.
+FUSED_MAX_M = 512
 # split-k target per token-group count: about this many blocks per SM in one launch. H200 sweeps (graph replay,
 # K=2, bench_exl3_gemm.py; NOTES.md v4): m=1 6 blocks/SM is best or tied on all 5 anchor shapes (4096x5120 11.2
 # vs 12.0 us at 3); m=64 2 is best on 3 of 5 and within 3% on the others; 2 and 4 groups keep v1's 3.
@@ -59,15 +65,55 @@ class Plan:
     chunks_per_split: int = 0
     m_slice: int = 0
     prep: bool = False
+    block: int = 0  # fused: block shape id (FUSED_BLOCKS)
 
 
-def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None) -> Plan:
-    """THE variant table: by m (decode vs prefill) and shape (split-k so one launch fills the GPU)."""
-    variant = variant or os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT") or ("small" if m <= LARGE_M else "large")
+VARIANTS = ("small", "fused", "large")
+
+
+# Fused kernel block shapes: id -> (columns, tokens, blocks per SM); cuda/exl3_gemm/fused_sm90.cuh. Block 1
+# (256 x 128) is kept for sweeps: on the H200 it lost to 0 or 2 at every anchor shape (NOTES.md v5).
+FUSED_BLOCKS = {0: (128, 256, 1), 1: (256, 128, 1), 2: (128, 128, 2)}
+# Relative cost of a block's columns x tokens of work by shape (2 x 128 x 128 blocks sharing an SM ran ~8% slower
+# than one 128 x 256 block on 5120x12288 and 5120x4096, H200).
+FUSED_EFFICIENCY = {0: 1.0, 1: 1.0, 2: 1.08}
+
+
+def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
+    """(block, splits, chunks_per_split) of the fused kernel. Per candidate shape, k is split (fp32 partials,
+    summed by the epilogue) when the blocks would leave SMs idle, into at most as many parts as keep one round of
+    blocks, each >= 4 chunks of 64 rows; the shape whose busiest SM gets the least work wins (blocks are spread
+    evenly: an SM runs ceil(blocks / SMs) of them). TWINSPARK_EXL3_GEMM_BLOCK=0|1|2 forces a shape (sweeps)."""
+    forced = os.environ.get("TWINSPARK_EXL3_GEMM_BLOCK", "")
+    chunks = k // 64
+    best = None
+    for block in ((int(forced),) if forced in ("0", "1", "2") else (0, 2)):
+        cols, tokens, per_sm = FUSED_BLOCKS[block]
+        blocks = math.ceil(n / cols) * math.ceil(m / tokens)
+        splits = max(1, min(chunks // 4, sms * per_sm // blocks))
+        cps = math.ceil(chunks / splits)
+        splits = math.ceil(chunks / cps)
+        cost = math.ceil(blocks * splits / sms) * cols * tokens * cps * FUSED_EFFICIENCY[block]
+        if best is None or cost < best[0]:
+            best = (cost, block, splits, cps)
+    return best[1], best[2], best[3]
+
+
+def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None, fused: bool = False) -> Plan:
+    """THE variant table: by m (decode vs prefill), device (``fused``: an sm_90 GPU with the sm_90a build) and
+    shape (split-k so one launch fills the GPU; tokens per block of the fused kernel)."""
+    variant = variant or os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT") or (
+        "small" if m <= LARGE_M else ("fused" if fused and m <= FUSED_MAX_M else "large"))
+    if variant not in VARIANTS:
+        raise ValueError(f"{OP}: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
+    if variant == "fused" and not fused:
+        raise ValueError(f"{OP}: the fused variant needs an sm_90 GPU (wgmma) and a build with sm_90a; "
+                         "use 'small' or 'large'")
+    if variant == "fused":
+        block, splits, cps = fused_shape(m, k, n, sms)
+        return Plan("fused", splits=splits, chunks_per_split=cps, block=block)
     if variant == "large":
         return Plan("large")
-    if variant != "small":
-        raise ValueError(f"{OP}: unknown variant {variant!r}; expected 'small' or 'large'")
     m_slice = min(m, M_SLICE)
     groups = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(m_slice / 8)))))
     strips, chunks = n // 128, k // 128
@@ -82,13 +128,14 @@ def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None)
 _PLANS: dict[tuple, Plan] = {}
 
 
-def _cached_plan(m, k, n, K, sms) -> Plan:
+def _cached_plan(m, k, n, K, sms, fused) -> Plan:
     forced = os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
-    key = (m, k, n, K, sms, forced, os.environ.get("TWINSPARK_EXL3_GEMM_PREP"),
+    key = (m, k, n, K, sms, fused, forced, os.environ.get("TWINSPARK_EXL3_GEMM_PREP"),
+           os.environ.get("TWINSPARK_EXL3_GEMM_BLOCK"),
            BLOCKS_PER_SM if not isinstance(BLOCKS_PER_SM, dict) else None)
     p = _PLANS.get(key)
     if p is None:
-        p = _PLANS[key] = plan(m, k, n, K, sms, forced)
+        p = _PLANS[key] = plan(m, k, n, K, sms, forced, fused)
     return p
 
 
@@ -135,6 +182,7 @@ class _Workspace:
 
 _WORKSPACES: dict[tuple[int, int], _Workspace] = {}
 _SMS: dict[int, int] = {}
+_FUSED: dict[int, bool] = {}
 
 
 def _workspace(device: torch.device) -> _Workspace:
@@ -149,6 +197,14 @@ def _sms(device: torch.device) -> int:
     if device.index not in _SMS:
         _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SMS[device.index]
+
+
+def fused_available(device: torch.device) -> bool:
+    """The fused kernel runs on ``device``: an sm_90 GPU (wgmma) and a build that holds sm_90a code."""
+    if device.index not in _FUSED:
+        _FUSED[device.index] = (torch.cuda.get_device_capability(device) == (9, 0)
+                                and "90a" in _ext.built_archs())
+    return _FUSED[device.index]
 
 
 # -------------------------------------------------------------------------------------------------- checks
@@ -214,7 +270,7 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
     stream = _ext.stream_ptr(dev)
     bf16 = x2.dtype == torch.bfloat16
     cb = CODEBOOKS.index(codebook)
-    p = _cached_plan(m, k, n, K, _sms(dev))
+    p = _cached_plan(m, k, n, K, _sms(dev), fused_available(dev))
     ws = _workspace(dev)
     if p.variant == "small":
         acc, counters = ws.small(n, C.exl3_gemm_capture_id(stream) if torch.cuda.is_current_stream_capturing() else 0)
@@ -227,6 +283,14 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
                 svh.data_ptr(), bias.data_ptr() if bias is not None else 0, out2.data_ptr() + m0 * n * es, n,
                 acc.data_ptr(), counters.data_ptr(), mm, k, n, int(K), cb, p.groups, p.chunks_per_split, p.splits,
                 bf16, stream, xh + m0 * k * 2 if xh else 0)
+    elif p.variant == "fused":
+        xb = ws.buffer("xb", (m + 7) // 8 * 8 * k)
+        y = ws.buffer("y", m * n * (1 if p.splits == 1 else 2 * p.splits))  # fp16, or fp32 partials per split
+        C.exl3_gemm_prep_x_blocked(x2.data_ptr(), x2.stride(0), bf16, suh.data_ptr(), m, k, xb.data_ptr(), stream)
+        C.exl3_gemm_fused(xb.data_ptr(), trellis.data_ptr(), y.data_ptr(), m, k, n, int(K), cb, p.block,
+                          p.chunks_per_split, p.splits, stream)
+        C.exl3_gemm_epilogue(y.data_ptr(), 0 if p.splits == 1 else p.splits, svh.data_ptr(),
+                             bias.data_ptr() if bias is not None else 0, m, n, out2.data_ptr(), n, bf16, stream)
     else:
         wt = ws.buffer("w_hat_t", n * k)
         xh = ws.buffer("xh", m * k)
@@ -234,7 +298,7 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
         C.exl3_gemm_dequant_t(trellis.data_ptr(), k, n, int(K), cb, wt.data_ptr(), stream)
         C.exl3_gemm_prep_x(x2.data_ptr(), x2.stride(0), bf16, suh.data_ptr(), m, k, xh.data_ptr(), stream)
         torch.mm(xh.view(m, k), wt.view(n, k).t(), out=y.view(m, n))
-        C.exl3_gemm_epilogue(y.data_ptr(), svh.data_ptr(), bias.data_ptr() if bias is not None else 0, m, n,
+        C.exl3_gemm_epilogue(y.data_ptr(), 0, svh.data_ptr(), bias.data_ptr() if bias is not None else 0, m, n,
                              out2.data_ptr(), n, bf16, stream)
     if out2.data_ptr() != out.data_ptr():
         out.copy_(out2.view(out.shape))
