@@ -2,12 +2,34 @@
 // Bit-exact with twinspark.exl3.reference.decode; all integer math mod 2^32.
 #pragma once
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 namespace twinspark {
 namespace exl3 {
 
 enum Codebook : int { kCb3inst = 0, kCbMcg = 1, kCbMul1 = 2 };
+
+template <int CB>
+using CodebookTag = std::integral_constant<int, CB>;
+
+// Run-time codebook id -> compile-time tag: returns f(CodebookTag<CB>{}) (read the id with decltype(tag)::value),
+// cudaErrorInvalidValue for an unknown id. One dispatch for every launcher that templates on the codebook.
+template <class F>
+cudaError_t with_codebook(int codebook, F&& f) {
+  switch (codebook) {
+    case kCb3inst:
+      return f(CodebookTag<kCb3inst>{});
+    case kCbMcg:
+      return f(CodebookTag<kCbMcg>{});
+    case kCbMul1:
+      return f(CodebookTag<kCbMul1>{});
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
 
 template <int CB>
 __device__ __forceinline__ half decode_state(uint32_t s) {

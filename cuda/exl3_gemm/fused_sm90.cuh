@@ -239,28 +239,19 @@ cudaError_t launch_fused(const Exl3GemmFusedArgs& a, cudaStream_t stream) {
 
 template <int K>
 cudaError_t launch_fused_k(const Exl3GemmFusedArgs& a, int codebook, int block, cudaStream_t stream) {
-#define TS_CASE(CB)                                  \
-  switch (block) {                                   \
-    case 0:                                          \
-      return launch_fused<K, CB, 256, 1>(a, stream); \
-    case 1:                                          \
-      return launch_fused<K, CB, 128, 2>(a, stream); \
-    case 2:                                          \
-      return launch_fused<K, CB, 128, 1>(a, stream); \
-    default:                                         \
-      return cudaErrorInvalidValue;                  \
-  }
-  switch (codebook) {
-    case exl3::kCb3inst:
-      TS_CASE(exl3::kCb3inst)
-    case exl3::kCbMcg:
-      TS_CASE(exl3::kCbMcg)
-    case exl3::kCbMul1:
-      TS_CASE(exl3::kCbMul1)
-    default:
-      return cudaErrorInvalidValue;
-  }
-#undef TS_CASE
+  return exl3::with_codebook(codebook, [&](auto cb) {
+    constexpr int CB = decltype(cb)::value;
+    switch (block) {
+      case 0:
+        return launch_fused<K, CB, 256, 1>(a, stream);
+      case 1:
+        return launch_fused<K, CB, 128, 2>(a, stream);
+      case 2:
+        return launch_fused<K, CB, 128, 1>(a, stream);
+      default:
+        return cudaErrorInvalidValue;
+    }
+  });
 }
 
 }  // namespace exl3_gemm_detail

@@ -70,42 +70,40 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// x'[t, 0:128] of chunk c for tokens t < 8*groups (rows >= m are zero), fp16 into xs (row stride kXRow).
-// (Tried: issuing chunk c+1's loads before chunk c's decode; measured slower on the H200 at every m, with
-// 125 registers at 8 groups: NOTES.md v2.)
-// With a.xh (x' made once by exl3_gemm_prep_x: many tokens, where every strip would redo the Hadamard) the rows
-// are copied.
+// This lane's 4 values of x'[t, 128 cc + 4 lane ..] as fp16 (zero for t >= m; t is warp-uniform): copied from the
+// prep buffer a.xh (exl3_gemm_prep_x made x' once: many tokens, where every strip would redo the Hadamard), or
+// fp16(H128(x ⊙ suh)) with s = this lane's 4 suh values of chunk cc.
+__device__ __forceinline__ uint2 x_row(const Exl3GemmSmallArgs& a, int t, int cc, const float (&s)[4], int lane) {
+  if (t >= a.m) return make_uint2(0u, 0u);
+  if (a.xh)
+    return *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) + static_cast<size_t>(t) * a.k + 128 * cc +
+                                           4 * lane);
+  float v[4];
+  exl3::load4(static_cast<const char*>(a.x) + (static_cast<size_t>(t) * a.x_stride + 128 * cc + 4 * lane) * 2, a.bf16,
+              v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] *= s[e];
+  exl3::hadamard128_warp(v, lane);
+  const __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+}
+
+__device__ __forceinline__ void suh4(const Exl3GemmSmallArgs& a, int cc, int lane, float (&s)[4]) {
+  s[0] = s[1] = s[2] = s[3] = 0.f;
+  if (!a.xh) exl3::load4_half(static_cast<const half*>(a.suh) + 128 * cc + 4 * lane, s);
+}
+
+// x'[t, 0:128] of chunk c for tokens t < 8*groups (rows >= m are zero), fp16 into xs (row stride kXRow): warp w
+// makes rows w, w + 8, ... (Tried: issuing chunk c+1's loads before chunk c's decode; measured slower on the H200
+// at every m, with 125 registers at 8 groups: NOTES.md v2.)
 template <int G>
 __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, half* xs, int warp, int lane) {
-  if (a.xh) {
-#pragma unroll
-    for (int i = 0; i < G; ++i) {
-      const int t = warp + 8 * i;
-      uint2 u = make_uint2(0u, 0u);
-      if (t < a.m)
-        u = *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) + static_cast<size_t>(t) * a.k + 128 * c +
-                                            4 * lane);
-      *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = u;
-    }
-    return;
-  }
   float s[4];
-  exl3::load4_half(static_cast<const half*>(a.suh) + 128 * c + 4 * lane, s);
+  suh4(a, c, lane, s);
 #pragma unroll
   for (int i = 0; i < G; ++i) {
     const int t = warp + 8 * i;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (t < a.m) {
-      exl3::load4(static_cast<const char*>(a.x) + (static_cast<size_t>(t) * a.x_stride + 128 * c + 4 * lane) * 2,
-                  a.bf16, v);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] *= s[e];
-      exl3::hadamard128_warp(v, lane);
-    }
-    const __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
-    uint2 u;
-    u.x = *reinterpret_cast<const uint32_t*>(&lo), u.y = *reinterpret_cast<const uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = u;
+    *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = x_row(a, t, c, s, lane);
   }
 }
 
@@ -114,31 +112,9 @@ __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, 
 __device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int c, int n, half* xs, int warp, int lane) {
   if (warp >= n) return;
   half* xw = xs + warp * 8 * kXRow;
-  if (a.xh) {
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      uint2 u = make_uint2(0u, 0u);
-      if (t < a.m)
-        u = *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) + static_cast<size_t>(t) * a.k +
-                                            128 * (c + warp) + 4 * lane);
-      *reinterpret_cast<uint2*>(xw + t * kXRow + 4 * lane) = u;
-    }
-    return;
-  }
   float s[4];
-  exl3::load4_half(static_cast<const half*>(a.suh) + 128 * (c + warp) + 4 * lane, s);
-  for (int t = 0; t < 8; ++t) {
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (t < a.m) {
-      exl3::load4(
-          static_cast<const char*>(a.x) + (static_cast<size_t>(t) * a.x_stride + 128 * (c + warp) + 4 * lane) * 2,
-          a.bf16, v);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] *= s[e];
-      exl3::hadamard128_warp(v, lane);
-    }
-    exl3::store4(xw + t * kXRow + 4 * lane, false, v);
-  }
+  suh4(a, c + warp, lane, s);
+  for (int t = 0; t < 8; ++t) *reinterpret_cast<uint2*>(xw + t * kXRow + 4 * lane) = x_row(a, t, c + warp, s, lane);
 }
 
 template <int K, int CB, int G>
@@ -344,48 +320,29 @@ cudaError_t launch_dequant_t_k(const int16_t* trellis, int tiles_k, int tiles_n,
   const long items = static_cast<long>(tiles_k / 8) * tiles_n;  // tiles_k % 8 == 0 (k % 128, checked by the caller)
   const dim3 grid(static_cast<unsigned>((items + 7) / 8));
   half* w = static_cast<half*>(wt);
-  switch (codebook) {
-    case exl3::kCb3inst:
-      dequant_t_kernel<K, exl3::kCb3inst><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, w);
-      break;
-    case exl3::kCbMcg:
-      dequant_t_kernel<K, exl3::kCbMcg><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, w);
-      break;
-    case exl3::kCbMul1:
-      dequant_t_kernel<K, exl3::kCbMul1><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, w);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return exl3::with_codebook(codebook, [&](auto cb) {
+    dequant_t_kernel<K, decltype(cb)::value><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, w);
+    return cudaGetLastError();
+  });
 }
 
 template <int K>
 cudaError_t launch_small_k(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream) {
-#define TS_CASE(CB)                             \
-  switch (groups) {                             \
-    case 1:                                     \
-      return launch_small<K, CB, 1>(a, stream); \
-    case 2:                                     \
-      return launch_small<K, CB, 2>(a, stream); \
-    case 4:                                     \
-      return launch_small<K, CB, 4>(a, stream); \
-    case 8:                                     \
-      return launch_small<K, CB, 8>(a, stream); \
-    default:                                    \
-      return cudaErrorInvalidValue;             \
-  }
-  switch (codebook) {
-    case exl3::kCb3inst:
-      TS_CASE(exl3::kCb3inst)
-    case exl3::kCbMcg:
-      TS_CASE(exl3::kCbMcg)
-    case exl3::kCbMul1:
-      TS_CASE(exl3::kCbMul1)
-    default:
-      return cudaErrorInvalidValue;
-  }
-#undef TS_CASE
+  return exl3::with_codebook(codebook, [&](auto cb) {
+    constexpr int CB = decltype(cb)::value;
+    switch (groups) {
+      case 1:
+        return launch_small<K, CB, 1>(a, stream);
+      case 2:
+        return launch_small<K, CB, 2>(a, stream);
+      case 4:
+        return launch_small<K, CB, 4>(a, stream);
+      case 8:
+        return launch_small<K, CB, 8>(a, stream);
+      default:
+        return cudaErrorInvalidValue;
+    }
+  });
 }
 
 }  // namespace exl3_gemm_detail

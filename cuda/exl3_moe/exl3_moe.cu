@@ -213,15 +213,10 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.splitk = a.splitk;
   gp.fuse_convert = a.fuse_convert;
 
-  auto gemm = [&](bool down) -> cudaError_t {
-    switch (a.codebook) {
-      case exl3::kCb3inst:
-        return moe::launch_moe_gemm<exl3::kCb3inst>(gp, down, a.mt, a.max_items, a.max_words, stream);
-      case exl3::kCbMcg:
-        return moe::launch_moe_gemm<exl3::kCbMcg>(gp, down, a.mt, a.max_items, a.max_words, stream);
-      default:
-        return moe::launch_moe_gemm<exl3::kCbMul1>(gp, down, a.mt, a.max_items, a.max_words, stream);
-    }
+  auto gemm = [&](bool down) {
+    return exl3::with_codebook(a.codebook, [&](auto cb) {
+      return moe::launch_moe_gemm<decltype(cb)::value>(gp, down, a.mt, a.max_items, a.max_words, stream);
+    });
   };
   if ((err = gemm(false)) != cudaSuccess) return err;
   if ((err = gemm(true)) != cudaSuccess) return err;

@@ -59,20 +59,10 @@ cudaError_t launch(const int16_t* trellis, int tiles_k, int tiles_n, int ka, boo
                    cudaStream_t stream) {
   const long tiles = static_cast<long>(tiles_k) * tiles_n;
   const dim3 grid(static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock));
-  switch (codebook) {
-    case exl3::kCb3inst:
-      reconstruct_kernel<exl3::kCb3inst, OutT><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, ka, half, out);
-      break;
-    case exl3::kCbMcg:
-      reconstruct_kernel<exl3::kCbMcg, OutT><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, ka, half, out);
-      break;
-    case exl3::kCbMul1:
-      reconstruct_kernel<exl3::kCbMul1, OutT><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, ka, half, out);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return exl3::with_codebook(codebook, [&](auto cb) {
+    reconstruct_kernel<decltype(cb)::value, OutT><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, ka, half, out);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace
