@@ -164,3 +164,21 @@ def test_corrupt_partial_is_refused_then_downloaded_again(tmp_path, monkeypatch)
         assert not list(cache.glob("*.incomplete")), "both the corrupt and the stale partial must be gone"
         download.fetch(s)
     assert (dest / "w.safetensors").read_bytes() == data
+
+
+def test_resumable_path_without_the_private_metadata_writer(tmp_path, monkeypatch):
+    """hubget records finished files with huggingface_hub's non-public metadata writer; without it (a release that
+    moved it) the download still completes and snapshot_download accepts the file by its sha256."""
+    big = tmp_path / "hub/big"
+    big.mkdir(parents=True)
+    data = os.urandom(download.RESUME_MIN + (1 << 20))
+    (big / "w.safetensors").write_bytes(data)
+    monkeypatch.setitem(sys.modules, "huggingface_hub._local_folder", None)  # import of it raises ImportError
+    with Hub({"org/big": big}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        s, _ = config.load({"MODEL_DIR": str(tmp_path / "model"), "HF_REPO": "org/big"}, env_file=None)
+        download.fetch(s)
+        sent = hub.sent["w.safetensors"]
+        download.fetch(s)  # present: not fetched again
+        assert hub.sent["w.safetensors"] == sent
+    assert (tmp_path / "model" / "w.safetensors").read_bytes() == data

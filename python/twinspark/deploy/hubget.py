@@ -41,7 +41,6 @@ def partial_dir(dest: Path) -> Path:
 
 def fetch(repo: str, name: str, dest: Path, endpoint: str | None) -> tuple[int, int]:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub._local_folder import write_download_metadata
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
@@ -79,5 +78,17 @@ def fetch(repo: str, name: str, dest: Path, endpoint: str | None) -> tuple[int, 
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(part, target)
     if meta.commit_hash and meta.etag:
-        write_download_metadata(dest, name, commit_hash=meta.commit_hash, etag=meta.etag)
+        _write_metadata(dest, name, meta.commit_hash, meta.etag)
     return got, have
+
+
+def _write_metadata(dest: Path, name: str, commit_hash: str, etag: str) -> None:
+    """Record the file in huggingface_hub's local-dir metadata, so snapshot_download takes it as current without
+    hashing it again. The writer is the library's own but not public API (huggingface_hub._local_folder, present
+    since 0.23): if a release moves it, skip — snapshot_download then checks the file by its sha256 (one extra read
+    of the file, same result)."""
+    try:
+        from huggingface_hub._local_folder import write_download_metadata
+    except ImportError:
+        return
+    write_download_metadata(dest, name, commit_hash=commit_hash, etag=etag)
