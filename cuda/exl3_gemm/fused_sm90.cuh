@@ -1,23 +1,21 @@
-// Fused large-m EXL3 GEMM for sm_90a: the trellis is decoded straight into wgmma register operands, so W_hat never
+// Fused prefill EXL3 GEMM for sm_90a: the trellis is decoded straight into wgmma register operands, so W_hat never
 // goes through memory (the dequantize + dense matmul path writes and re-reads 2 bytes per weight).
 //
-// Orientation as in the small kernel: y'^T[n, tokens] = W_hat^T[n, k] · x'^T[k, tokens]. A block is 2 warpgroups =
-// one 128-column strip of W (warp w of warpgroup g owns n-tile 4g + w, the 16 rows of A that wgmma takes from that
-// warp) times BT tokens (the wgmma N). Per k-tile each warp decodes its 16x16 tile into the mma.m16n8k16
-// A-fragment layout (decode_tile.cuh), and one wgmma.m64nBTk16 per warpgroup multiplies it with x' from shared
-// memory. The decode of k-tile s+1 runs while the tensor cores work on k-tile s (wgmma is asynchronous; two A
-// register buffers, wait_group 1).
+// Orientation as in the small kernel: y'^T[n, tokens] = W_hat^T[n, k] · x'^T[k, tokens]. A block is 2 warpgroups;
+// warpgroup g owns S slabs of 64 columns (n-tiles 4 (S g + j) .. +3 of the block's 8 S), warp w of it the 16 rows
+// of each slab that wgmma takes from that warp, and BT tokens are the wgmma N. Each warp decodes its 16x16 tiles
+// into the mma.m16n8k16 A-fragment layout (decode_tile.cuh) and each warpgroup issues wgmma.m64nBTk16 with A from
+// those registers and x' from shared memory.
 //
-// x' comes from exl3_gemm_prep_x_blocked in the wgmma "core matrix" layout [k/64][m/8][8][8 tokens][8 k] fp16: a
-// stage's x' (one 64-wide chunk of k, BT tokens) is one contiguous copy, and the descriptor is the canonical
-// K-major no-swizzle one (LBO = 128 B between core matrices along k, SBO = 1 KB between token groups).
+// x' comes from exl3_gemm_prep_x_blocked as [k/64][tokens][64] fp16 with the 16-byte pieces of every 128-byte row
+// XOR-permuted by row % 8 (the wgmma 128-byte swizzle): a stage's x' (one 64-wide chunk of k, BT tokens) is one
+// contiguous copy, and the descriptor is the canonical K-major 128-byte-swizzle one (8-row atoms of 1 KB).
 // Pipeline: kFusedStages stages of (x' [BT, 64], trellis [4 k-tiles x the block's n-tiles]), filled by bulk copies
 // (cp.async.bulk: the async proxy, completion on one mbarrier per stage) that one thread issues. Chunk i's 4 (x S)
 // wgmmas go out as one group; while they run, each warp decodes chunk i+1 into its other A buffer, and chunk
 // i+3 is loaded into chunk i-1's stage (whose wgmmas have completed: wait_group 1, then a block barrier).
-// (First version: cp.async by all threads plus fence.proxy.async per stage; the fence compiles to MEMBAR.ALL.CTA,
-// and it ran at 55% of the tensor peak per SM.)
-// Output: y' fp16 [m, n] (before the output Hadamard), finished by exl3_gemm_epilogue.
+// k may be split over gridDim.z. Output: y' (before the output Hadamard) fp16 [m, n], or fp32 partials
+// [split, m, n]; exl3_gemm_epilogue finishes both. Measured history and limits: NOTES.md v5.
 #pragma once
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -128,12 +126,12 @@ __global__ void __launch_bounds__(kFusedThreads, BT* S == 128 ? 2 : 1) fused_ker
 #pragma unroll
     for (int i = 0; i < BT / 2; ++i) acc[j][i] = 0.f;
   // A fragments of a whole chunk (4 k-steps x S slabs), double-buffered by chunk: chunk i+1 is decoded while the
-  // tensor cores run chunk i's wgmmas (the 16-state ILP of one step alone left the tensor pipe 42% idle).
+  // tensor cores run chunk i's wgmmas.
   uint32_t afr[2][kKc / 16][S][4];
   const exl3::LaneWindow<K> lw(lane);
-  // Descriptor constant part: LBO 128 B (next core matrix along k), SBO kKc*16 B (next token group), no swizzle.
-  // 128-byte swizzle (mode 1 in bits 62-63): a token's 64 k-values are one 128-byte row, 8-row atoms of 1 KB (SBO);
-  // LBO is unused for swizzled K-major layouts; a k-step of 16 advances the start address by 32 bytes.
+  // Descriptor constant part, 128-byte swizzle (mode 1 in bits 62-63): a token's 64 k-values are one 128-byte
+  // row, 8-row atoms of 1 KB (SBO); LBO is unused for swizzled K-major layouts; a k-step of 16 advances the start
+  // address by 32 bytes.
   constexpr uint64_t kDescHi = (uint64_t{1} << 62) | (uint64_t{1} << 16) | (static_cast<uint64_t>(1024 >> 4) << 32);
 
   // slab j of warpgroup wg: n-tiles 4 * (S * wg + j) .. +3 of the block; this warp decodes tile + wl
