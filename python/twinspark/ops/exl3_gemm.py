@@ -4,11 +4,12 @@ Kernel variants (the one table is `plan`; cuda/exl3_gemm/README.md says why each
 - ``small`` (m <= LARGE_M): decode the trellis in registers straight into mma.sync fragments, split k across
   blocks, reduce in an fp32 per-stream workspace; suh, both Hadamard transforms, svh and bias fused. Tokens go
   in slices of 64 per launch.
-- ``fused`` (LARGE_M < m <= FUSED_MAX_M on sm_90): x' = H(x ⊙ suh) in fp16 (blocked layout), then one kernel decodes
-  the trellis straight into wgmma register operands and multiplies by x' (W_hat never touches memory), then Hn,
-  svh and bias in one kernel. Block shape and split-k from the same table (fused_shape).
-- ``large`` (larger m, and every m > LARGE_M off sm_90, e.g. GB10): W_hat^T decoded once into an fp16 workspace (dequant_t), x' in
-  fp16, a dense fp16 tensor-core matmul (torch.mm / cuBLAS), then Hn, svh and bias in one kernel.
+- ``fused`` (LARGE_M < m <= FUSED_MAX_M on sm_90): x' = H(x ⊙ suh) in fp16 (the swizzled layout wgmma reads),
+  then one kernel decodes the trellis straight into wgmma register operands and multiplies by x' (W_hat never
+  touches memory), then Hn, svh and bias in one kernel. Block shape and split-k from the same table (fused_shape).
+- ``large`` (larger m, and every m > LARGE_M off sm_90, e.g. GB10): W_hat^T decoded once into an fp16 workspace
+  (dequant_t), x' in fp16, a dense fp16 tensor-core matmul (torch.mm / cuBLAS), then Hn, svh and bias in one
+  kernel.
 
 Graph safety: no host sync, no tuning (the table is static), and the only state is a workspace per (device,
 stream) that the small kernel leaves zeroed after every call (its last block per strip clears what it read).
@@ -101,7 +102,7 @@ def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
 
 def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None, fused: bool = False) -> Plan:
     """THE variant table: by m (decode vs prefill), device (``fused``: an sm_90 GPU with the sm_90a build) and
-    shape (split-k so one launch fills the GPU; tokens per block of the fused kernel)."""
+    shape (split-k so one launch fills the GPU; the fused kernel's block shape)."""
     variant = variant or os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT") or (
         "small" if m <= LARGE_M else ("fused" if fused and m <= FUSED_MAX_M else "large"))
     if variant not in VARIANTS:
