@@ -56,11 +56,14 @@ def predict_gb10_us(nbytes: float, h200_us: float, h200_copy_gbps: float, h200_l
 
 
 # ---------------------------------------------------------------------------------------------------- timing
+CODEBOOK = "mul1"  # the anchors' codebook; --codebook times another one (their decoders differ in cost)
+
+
 def _layers(k, n, K, dev, gen):
-    base = random_layer(k, n, K, "mul1", generator=gen, device=dev)
+    base = random_layer(k, n, K, CODEBOOK, generator=gen, device=dev)
     shape = (k // 16, n // 16, 16 * K)  # random int16 words are valid trellis data (made on the GPU: fast)
     ring = bk.rotate(lambda: (torch.randint(-32768, 32768, shape, dtype=torch.int16, device=dev),))
-    return [Exl3Layer(t, base.suh, base.svh, float(K), "mul1") for (t,) in ring], ring.bytes_per_set
+    return [Exl3Layer(t, base.suh, base.svh, float(K), CODEBOOK) for (t,) in ring], ring.bytes_per_set
 
 
 @contextlib.contextmanager
@@ -106,7 +109,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", type=lambda s: tuple(int(v) for v in s.split(",")), help="m values (default: all)")
     ap.add_argument("--ks", type=lambda s: tuple(int(v) for v in s.split(",")), help="K values (default: 2,3,4)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the split-k / prep sweeps")
+    ap.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mul1",
+                    help="codebook of the timed layers (default mul1, as the upstream anchors)")
     a = ap.parse_args(argv)
+    global CODEBOOK
+    CODEBOOK = a.codebook
     if not torch.cuda.is_available():
         print("bench_exl3_gemm: no CUDA GPU visible; run it on a GPU machine", file=sys.stderr)
         return 2

@@ -157,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=7, help="timed samples per case (median reported)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time K=3, T in {1, 2, 4, 8} at every gate/up split-k (to tune plan_launch)")
+    ap.add_argument("--ts", type=lambda s: tuple(int(v) for v in s.split(",")), help="T values (default: all)")
+    ap.add_argument("--ks", type=lambda s: tuple(int(v) for v in s.split(",")), help="K values (default: 2,3,4)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     copy = bk.copy_ceiling_gbps(dev)
@@ -165,6 +167,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev).manual_seed(1234)
     records, summary = [], []
     ks, ts = ((3,), (1, 4, 512)) if args.quick else (KS, TS)
+    ks, ts = args.ks or ks, args.ts or ts
     for K in ks:
         ex = make_experts(float(K), dev)
         per_expert = expert_bytes(ex)

@@ -105,6 +105,53 @@ __device__ __forceinline__ void decode_lane_words(uint32_t w0, uint32_t w1, uint
   pair[3] = decode_pair_at<K, CB, base, 3>(a0, a1, a2);
 }
 
+// "Raw" decode (3inst and mcg) for an mma that sums over both fp16 halves of a register: register j holds
+// position 8L+j as the codebook's two fp16 halves, not yet added (weight = lo + hi), so there is no pack and no
+// fp16 add per pair of weights; the 8 registers feed two mma.m16n8k16 against x' values duplicated in both halves
+// of the B registers (store_x4_dup below). The mma adds the halves exactly instead of rounding their sum to fp16:
+// within one fp16 rounding of decode_state<CB> (the GEMM tolerance), not bit-exact (reconstruct keeps
+// decode_lane). mul1 has no raw form worth having: its byte sum needs the dp4a either way, and dropping the
+// fp16 FMA measured no gain (cuda/exl3_gemm/NOTES.md v6).
+template <int CB>
+__device__ __forceinline__ uint32_t decode_raw(uint32_t s) {
+  static_assert(CB != kCbMul1, "raw decode is for 3inst and mcg");
+  const uint32_t x = (CB == kCbMcg) ? s * 0xCBAC1FEDu : s * 89226354u + 64248484u;
+  return (x & 0x8FFF8FFFu) ^ 0x3B603B60u;
+}
+
+template <int K, int CB>
+__device__ __forceinline__ void decode_lane_raw(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&r)[8]) {
+  const uint32_t w0 = tile[lw.w0], w1 = tile[lw.w1], w2 = tile[lw.w2];
+  uint32_t a0, a1, a2;
+  constexpr int base = LaneWindow<K>::kStatic ? LaneWindow<K>::kStaticOff : 0;
+  if constexpr (LaneWindow<K>::kStatic) {
+    a0 = w0, a1 = w1, a2 = w2;
+  } else {
+    a0 = __funnelshift_l(w1, w0, lw.off);
+    a1 = __funnelshift_l(w2, w1, lw.off);
+    a2 = w2 << lw.off;
+  }
+  r[0] = decode_raw<CB>(take16<base + 0 * K>(a0, a1, a2));
+  r[1] = decode_raw<CB>(take16<base + 1 * K>(a0, a1, a2));
+  r[2] = decode_raw<CB>(take16<base + 2 * K>(a0, a1, a2));
+  r[3] = decode_raw<CB>(take16<base + 3 * K>(a0, a1, a2));
+  r[4] = decode_raw<CB>(take16<base + 4 * K>(a0, a1, a2));
+  r[5] = decode_raw<CB>(take16<base + 5 * K>(a0, a1, a2));
+  r[6] = decode_raw<CB>(take16<base + 6 * K>(a0, a1, a2));
+  r[7] = decode_raw<CB>(take16<base + 7 * K>(a0, a1, a2));
+}
+
+// x' for the raw mma, one 128-deep k-block of one row (token) = 128 u32 words: x'[16 kt + kk] with kk = 8h + 2j + e
+// sits, as (v, v), at word 16 kt + 8e + 4h + j. ldmatrix.x4 at word 16 kt + 4 i (matrix i = 2e + h, rows = tokens)
+// then gives lane (g, j) the B registers of both raw mmas of k-tile kt: e = 0 takes matrices 0, 1 with positions
+// r[0], r[4], r[2], r[6] as A; e = 1 takes matrices 2, 3 with r[1], r[5], r[3], r[7].
+// Writes this lane's 4 values v = fp16 x'[4 lane .. 4 lane + 3] (as from a warp's 128-point Hadamard) into `row`.
+__device__ __forceinline__ void store_x4_dup(uint32_t* row, int lane, uint2 v) {
+  const int w = 16 * (lane >> 2) + 4 * ((lane & 3) >> 1) + 2 * (lane & 1);
+  *reinterpret_cast<uint2*>(row + w) = make_uint2(__byte_perm(v.x, 0, 0x1010), __byte_perm(v.y, 0, 0x1010));
+  *reinterpret_cast<uint2*>(row + w + 8) = make_uint2(__byte_perm(v.x, 0, 0x3232), __byte_perm(v.y, 0, 0x3232));
+}
+
 // Decode this lane's 8 positions of one tile. `tile` = the tile's 8K u32 words (shared or global memory).
 template <int K, int CB>
 __device__ __forceinline__ void decode_lane(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&pair)[4]) {

@@ -3,13 +3,19 @@
 // Orientation: y^T[n, tokens] = W_hat^T[n, k] · x'^T[k, tokens]. A decoded 16x16 tile is the A operand of
 // mma.m16n8k16 (decode_tile.cuh), 8 tokens are the N side, so m <= 8 costs one mma per tile and every extra
 // group of 8 tokens reuses the decoded registers (decode is the expensive part on the H200).
+// 3inst and mcg at m <= 8 (one token group) decode "raw" (decode_lane_raw): each weight's register keeps the
+// codebook's two fp16 halves un-added and x' is stored with every value duplicated in both halves, so the tile
+// takes two mmas (k' = 2k + half) instead of 2 PRMT + 1 HADD2 per pair of weights (12 fewer instructions per
+// tile, one more mma; the tensor pipe is idle at m <= 8): -10..12% on the H200 (NOTES.md v6). mul1 keeps the
+// packed decode (its raw form measured no gain).
 //
 // Grid (n/128 strips, splits). Block = 8 warps = the 8 n-tiles of one 128-column strip; it walks its share of
-// k in 128-row chunks. Per chunk: trellis tiles of the chunk (8 k-tiles x 8 n-tiles) arrive by cp.async in a
-// 2-4 stage ring; x' = fp16(H128(x ⊙ suh)) of the chunk is computed by the block (warp per token, shuffles)
-// into a double buffer; each warp decodes its n-tile's 8 k-tiles and issues `groups` mmas per tile.
-// Reduction over splits: fp32 red.add into ws[token, n]; the last block of the strip (atomic counter) applies
-// the output Hadamard, svh and bias, writes out, and clears its ws strip and counter (graph-safe, no memset).
+// k in 128-row chunks. Per chunk: each warp's 8 trellis tiles (its n-tile, 8 k-tiles) arrive by cp.async in
+// the warp's slice of a 2-4 stage ring; x' = fp16(H128(x ⊙ suh)) is computed by the block (warp per token or per
+// chunk, shuffles); each warp decodes its n-tile's 8 k-tiles and issues `groups` mmas per tile.
+// Reduction over splits: fp32 red.add into ws[token, n]; the last block of the strip (an acquire-release
+// arrival on its counter) applies the output Hadamard, svh and bias, writes out, and clears its ws strip and
+// counter (graph-safe, no memset).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -17,6 +23,7 @@
 
 #include <atomic>
 
+#include "common/arrive.cuh"
 #include "exl3/decode_tile.cuh"
 #include "exl3/hadamard.cuh"
 #include "exl3_gemm/exl3_gemm.h"
@@ -25,7 +32,8 @@ namespace twinspark {
 namespace exl3_gemm_detail {
 
 constexpr int kThreads = 256;
-constexpr int kXRow = 136;  // halves per token row of x' in shared memory (128 + 8: conflict-free ldmatrix)
+constexpr int kXRow = 136;     // halves per token row of x' in shared memory (128 + 8: conflict-free ldmatrix)
+constexpr int kXRowRaw = 264;  // the same for one token group (duplicated x' of the raw path: 256 + 8)
 
 __host__ __device__ constexpr int stage_words(int K) { return 64 * 8 * K; }  // 64 tiles x 8K u32
 __host__ __device__ constexpr int num_stages(int K) {
@@ -33,12 +41,22 @@ __host__ __device__ constexpr int num_stages(int K) {
   return (49152 / (stage_words(K) * 4)) > 4 ? 4
                                             : ((49152 / (stage_words(K) * 4)) < 2 ? 2 : 49152 / (stage_words(K) * 4));
 }
-// One token group (m <= 8): x' of kXChunks chunks is made at once, one chunk per warp (the block's 8 warps share
-// the Hadamard work instead of warp t doing token t's every chunk while the others wait at the barrier).
+// One token group (m <= 8): x' of kXChunks chunks is made at once, one chunk per warp (the block's warps share
+// the Hadamard work instead of warp t doing token t's every chunk while the others wait at the barrier), m rows
+// per chunk: 4.2 KB at m = 1, 33.8 KB at m = 8.
 constexpr int kXChunks = 8;
 __host__ __device__ constexpr int x_chunks(int groups) { return groups == 1 ? kXChunks : 2; }
-__host__ __device__ constexpr int smem_bytes(int K, int groups) {
-  return num_stages(K) * stage_words(K) * 4 + x_chunks(groups) * 8 * groups * kXRow * 2;
+// Dynamic shared memory for m tokens per launch (m <= 8 * groups).
+__host__ __device__ constexpr int smem_bytes(int K, int groups, int m) {
+  return num_stages(K) * stage_words(K) * 4 +
+         (groups == 1 ? kXChunks * m * kXRowRaw * 2 : x_chunks(groups) * 8 * groups * kXRow * 2);
+}
+__host__ __device__ constexpr int smem_bytes(int K, int groups) { return smem_bytes(K, groups, 8 * groups); }
+
+// Blocks per SM the register budget is sized for: m <= 8 runs at up to 6 per SM (python plan, BLOCKS_PER_SM), as
+// many as the H200's 228 KB of shared memory allow at m <= 2; more token groups keep the compiler's choice.
+__host__ __device__ constexpr int min_blocks(int K, int groups) {
+  return groups != 1 ? 1 : (233472 / (smem_bytes(K, 1, 2) + 1024) < 6 ? 233472 / (smem_bytes(K, 1, 2) + 1024) : 6);
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -107,18 +125,28 @@ __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, 
   }
 }
 
-// x' of chunks c .. c+n-1 (n <= kXChunks) for the 8 token rows of one group: warp w makes chunk c+w, all rows
-// (rows >= m zero) into xs + w * 8 * kXRow.
+// x' of chunks c .. c+n-1 (n <= kXChunks) for tokens t < m (<= 8): warp w makes chunk c+w into
+// xs + w * m * kXRowRaw (m rows per chunk, row stride kXRowRaw), duplicated (exl3::store_x4_dup) for the raw
+// decode, else plain. The ldmatrix addresses of tokens >= m repeat row m - 1 (their outputs are never stored).
+template <bool RAW>
 __device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int c, int n, half* xs, int warp, int lane) {
   if (warp >= n) return;
-  half* xw = xs + warp * 8 * kXRow;
+  half* xw = xs + warp * a.m * kXRowRaw;
   float s[4];
   suh4(a, c + warp, lane, s);
-  for (int t = 0; t < 8; ++t) *reinterpret_cast<uint2*>(xw + t * kXRow + 4 * lane) = x_row(a, t, c + warp, s, lane);
+#pragma unroll 1
+  for (int t = 0; t < a.m; ++t) {  // a.m <= 8 here
+    const uint2 v = x_row(a, t, c + warp, s, lane);
+    if constexpr (RAW) {
+      exl3::store_x4_dup(reinterpret_cast<uint32_t*>(xw + t * kXRowRaw), lane, v);
+    } else {
+      *reinterpret_cast<uint2*>(xw + t * kXRowRaw + 4 * lane) = v;
+    }
+  }
 }
 
 template <int K, int CB, int G>
-__global__ void __launch_bounds__(kThreads) small_m_kernel(const Exl3GemmSmallArgs a) {
+__global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(const Exl3GemmSmallArgs a) {
   constexpr int kStages = num_stages(K);
   constexpr int kStageWords = stage_words(K);
   extern __shared__ uint4 smem_raw[];
@@ -134,68 +162,86 @@ __global__ void __launch_bounds__(kThreads) small_m_kernel(const Exl3GemmSmallAr
   const int nchunks = c1 - c0;
   const int tiles_n = a.n >> 4;
 
-  // One chunk = 8 rows (k-tiles) of 8 consecutive tiles; each row is contiguous in global memory.
-  // A compile-time trip count per thread (1-4 copies): a run-time strided loop here cost ~150 instructions per
+  // Each warp streams its own tiles: the 8 k-tiles of n-tile `warp` of chunk c (one tile from each of the chunk's
+  // 8 rows), into its own slice of every stage ([warp][kt][8K words]), so the ring needs no block barrier: a warp
+  // waits for its own copies and syncs its lanes. (Before: the block loaded whole rows and every chunk ended in a
+  // __syncthreads; ncu at m=1: barrier stalls were 22% of the warps' cycles, H200 2026-12-01.)
+  // A compile-time trip count per lane (1-4 copies): a run-time strided loop here cost ~150 instructions per
   // chunk (unroll-by-4 + remainder scaffolding), as much as decoding two tiles (SASS, H200 run 2026-12-01).
-  auto load_chunk = [&](int c, int stage) {
-    uint4* dst = reinterpret_cast<uint4*>(stages + stage * kStageWords);
-    constexpr int kRowVec = 16 * K;  // uint4 per row of 8 tiles (8 * 32K bytes / 16)
-    constexpr int kTotal = 8 * kRowVec, kIters = (kTotal + kThreads - 1) / kThreads;
+  auto load_tiles = [&](int c, int stage) {
+    uint4* dst = reinterpret_cast<uint4*>(stages + stage * kStageWords + warp * 64 * K);
+    constexpr int kTileVec = 2 * K;  // uint4 per tile (32K bytes / 16)
+    constexpr int kTotal = 8 * kTileVec, kIters = (kTotal + 31) / 32;
     const uint4* base =
-        reinterpret_cast<const uint4*>(a.trellis + (static_cast<long>(8 * c) * tiles_n + 8 * strip) * 16 * K);
+        reinterpret_cast<const uint4*>(a.trellis + (static_cast<long>(8 * c) * tiles_n + 8 * strip + warp) * 16 * K);
 #pragma unroll
     for (int j = 0; j < kIters; ++j) {
-      const int i = threadIdx.x + j * kThreads;
-      if (kTotal % kThreads == 0 || i < kTotal) {
-        const int kt = i / kRowVec, v = i - kt * kRowVec;
-        cp_async16(dst + i, base + static_cast<long>(kt) * tiles_n * kRowVec / 8 + v);
+      const int i = lane + 32 * j;
+      if (kTotal % 32 == 0 || i < kTotal) {
+        const int kt = i / kTileVec, v = i - kt * kTileVec;
+        cp_async16(dst + i, base + static_cast<long>(kt) * tiles_n * kTileVec + v);
       }
     }
   };
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nchunks) load_chunk(c0 + s, s);
+    if (s < nchunks) load_tiles(c0 + s, s);
     cp_async_commit();
   }
 
   float acc[G][4];
 #pragma unroll
   for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
+  constexpr bool kRaw = G == 1 && CB != exl3::kCbMul1;
   const exl3::LaneWindow<K> lw(lane);
   // ldmatrix row address of this lane inside a chunk's x': matrix mi = lane / 8 (k half, then group + 1).
+  // One group: row = token (rows >= m repeat row m - 1); raw: matrix mi at word 4 mi of the k-tile's 16 words.
   const int mi = lane >> 3;
-  const int x_row = (G == 1 ? 0 : 8 * (mi >> 1)) + (lane & 7);
-  const int x_col = 8 * (mi & 1);
+  const int x_row = G == 1 ? min(lane & 7, a.m - 1) : 8 * (mi >> 1) + (lane & 7);
+  const int x_col = kRaw ? 8 * mi : 8 * (mi & 1);
 
   for (int i = 0; i < nchunks; ++i) {
     half* xb;
     if constexpr (G == 1) {
-      xb = xs + (i % kXChunks) * (8 * kXRow);
+      // x' of kXChunks chunks per round (m rows each): the only block barriers of the loop.
+      xb = xs + (i % kXChunks) * a.m * kXRowRaw;
       if (i % kXChunks == 0) {
-        if (i > 0) __syncthreads();  // everyone is done with the previous kXChunks chunks of x'
-        make_x_chunks(a, c0 + i, min(kXChunks, nchunks - i), xs, warp, lane);
+        if (i > 0) __syncthreads();  // everyone is done with the previous round's x'
+        make_x_chunks<kRaw>(a, c0 + i, min(kXChunks, nchunks - i), xs, warp, lane);
+        __syncthreads();
       }
     } else {
       xb = xs + (i & 1) * (8 * G * kXRow);
       make_x_chunk<G>(a, c0 + i, xb, warp, lane);
+      __syncthreads();  // x' of this chunk is made by all warps
     }
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (i + kStages - 1 < nchunks) load_chunk(c0 + i + kStages - 1, (i + kStages - 1) % kStages);
+    cp_async_wait<kStages - 2>();  // this lane's copies of chunk i have landed
+    __syncwarp();                  // and every lane's: the warp's slice of stage i is ready, stage i - 1 is free
+    if (i + kStages - 1 < nchunks) load_tiles(c0 + i + kStages - 1, (i + kStages - 1) % kStages);
     cp_async_commit();
 
-    const uint32_t* st = stages + (i % kStages) * kStageWords + warp * 8 * K;
+    const uint32_t* st = stages + (i % kStages) * kStageWords + warp * 64 * K;
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
-      uint32_t p[4];
-      exl3::decode_lane<K, CB>(st + kt * 64 * K, lw, p);
-      const uint32_t afrag[4] = {p[0], p[2], p[1], p[3]};
-      if constexpr (G == 1) {
-        uint32_t b0, b1;
-        ldmatrix_x2(xb + x_row * kXRow + 16 * kt + x_col, b0, b1);
+      if constexpr (kRaw) {
+        // Raw registers r[j] = position 8 lane + j; mma e takes the positions of k = 2 (lane % 4) + e (+8).
+        uint32_t r[8], b0, b1, b2, b3;
+        exl3::decode_lane_raw<K, CB>(st + kt * 8 * K, lw, r);
+        ldmatrix_x4(xb + x_row * kXRowRaw + 32 * kt + x_col, b0, b1, b2, b3);
+        const uint32_t a0[4] = {r[0], r[4], r[2], r[6]}, a1[4] = {r[1], r[5], r[3], r[7]};
+        mma_16816(acc[0], a0, b0, b1);
+        mma_16816(acc[0], a1, b2, b3);
+      } else if constexpr (G == 1) {
+        uint32_t p[4], b0, b1;
+        exl3::decode_lane<K, CB>(st + kt * 8 * K, lw, p);
+        const uint32_t afrag[4] = {p[0], p[2], p[1], p[3]};
+        ldmatrix_x2(xb + x_row * kXRowRaw + 16 * kt + x_col, b0, b1);
         mma_16816(acc[0], afrag, b0, b1);
       } else {
+        uint32_t p[4];
+        exl3::decode_lane<K, CB>(st + kt * 8 * K, lw, p);
+        const uint32_t afrag[4] = {p[0], p[2], p[1], p[3]};
 #pragma unroll
         for (int g = 0; g < G; g += 2) {
           uint32_t b0, b1, b2, b3;
@@ -225,12 +271,10 @@ __global__ void __launch_bounds__(kThreads) small_m_kernel(const Exl3GemmSmallAr
       atomicAdd(a.ws + static_cast<long>(t + 1) * a.n + col + 8, acc[g][3]);
     }
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(a.counters + strip, 1) == a.splits - 1;
+  __syncthreads();  // the block's adds, then one acquire-release arrival (common/arrive.cuh)
+  if (threadIdx.x == 0) s_last = arrive_acq_rel(a.counters + strip) == a.splits - 1;
   __syncthreads();
   if (!s_last) return;
-  __threadfence();
 
   // Last block of this strip: every split's partial sum is in ws (L2). Output Hadamard, scales, bias; clear.
   float sv[4], bs[4] = {0.f, 0.f, 0.f, 0.f};
@@ -266,7 +310,7 @@ cudaError_t launch_small(const Exl3GemmSmallArgs& a, cudaStream_t stream) {
     raised.fetch_or(uint64_t{1} << (dev & 63), std::memory_order_acq_rel);
   }
   const dim3 grid(a.n / 128, a.splits);
-  small_m_kernel<K, CB, G><<<grid, kThreads, smem, stream>>>(a);
+  small_m_kernel<K, CB, G><<<grid, kThreads, smem_bytes(K, G, a.m < 8 * G ? a.m : 8 * G), stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -25,6 +25,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common/arrive.cuh"
 #include "exl3_moe/moe_device.cuh"
 
 namespace twinspark {
@@ -482,16 +483,13 @@ __global__ void __launch_bounds__(kThreads, MT == 1 && !DOWN ? 3 : 2) moe_gemm_k
 
   if constexpr (DOWN) {
     if (p.fuse_convert) {
-      // Last block of this column slice (over all items) converts it: fence so our atomics are visible first.
+      // Last block of this column slice (over all items) converts it: the block's atomics, then one
+      // acquire-release arrival (common/arrive.cuh).
       __shared__ bool last;
-      __threadfence();
       __syncthreads();
-      if (threadIdx.x == 0) last = atomicAdd(p.counters + blockIdx.y, 1) == nitems - 1;
+      if (threadIdx.x == 0) last = arrive_acq_rel(p.counters + blockIdx.y) == nitems - 1;
       __syncthreads();
-      if (last) {
-        __threadfence();
-        convert_columns(p, blockIdx.y * 128);
-      }
+      if (last) convert_columns(p, blockIdx.y * 128);
     }
   }
 }
