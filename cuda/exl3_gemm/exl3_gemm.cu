@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common/pdl.cuh"
 #include "exl3/hadamard.cuh"
 #include "exl3_gemm/exl3_gemm.h"
 
@@ -13,6 +14,7 @@ namespace {
 __global__ void __launch_bounds__(256)
     prep_x_kernel(const void* __restrict__ x, long x_stride, bool bf16, const half* __restrict__ suh, int m, int rows,
                   int k, bool blocked, half* __restrict__ xh) {
+  pdl_launch_dependents();  // the fused GEMM after it may start fetching weights (common/pdl.cuh)
   const int lane = threadIdx.x & 31;
   const long item = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   const int blocks = k >> 7;
@@ -39,6 +41,7 @@ __global__ void __launch_bounds__(256)
 __global__ void __launch_bounds__(256)
     epilogue_kernel(const void* __restrict__ y, int splits, const half* __restrict__ svh, const half* __restrict__ bias,
                     int m, int n, void* __restrict__ out, long out_stride, bool bf16) {
+  pdl_wait();  // launched with launch_pdl: y comes from the GEMM kernel before it
   const int lane = threadIdx.x & 31;
   const long item = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   const int blocks = n >> 7;
@@ -187,9 +190,8 @@ cudaError_t exl3_gemm_epilogue(const void* y, int splits, const void* svh, const
                                long out_stride, bool bf16, cudaStream_t stream) {
   if (m < 1 || n % 128 || out_stride % 4 || splits < 0) return cudaErrorInvalidValue;
   const long items = static_cast<long>(m) * (n / 128);
-  epilogue_kernel<<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
-      y, splits, static_cast<const half*>(svh), static_cast<const half*>(bias), m, n, out, out_stride, bf16);
-  return cudaGetLastError();
+  return launch_pdl(epilogue_kernel, dim3(static_cast<unsigned>((items + 7) / 8)), dim3(256), 0, stream, y, splits,
+                    static_cast<const half*>(svh), static_cast<const half*>(bias), m, n, out, out_stride, bf16);
 }
 
 }  // namespace twinspark

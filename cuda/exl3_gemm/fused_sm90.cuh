@@ -22,6 +22,7 @@
 
 #include <atomic>
 
+#include "common/pdl.cuh"
 #include "exl3/decode_tile.cuh"
 #include "exl3_gemm/exl3_gemm.h"
 #include "exl3_gemm/small_m.cuh"
@@ -99,10 +100,9 @@ __global__ void __launch_bounds__(kFusedThreads, BT* S == 128 ? 2 : 1) fused_ker
   // data and are never stored), then the k-tile rows of the block's real n-tiles.
   const int tile_groups = min(BT / 8, groups - g0);
   const uint32_t stage_tx = tile_groups * 1024 + (kKc / 16) * strip_tiles * 32 * K;
-  auto load_stage = [&](int c, int s) {
+  auto load_weights = [&](int c, int s) {  // arms the stage's barrier for the whole stage
     const uint32_t st = smem_base + s * kStageBytes, bar = bar0 + 8 * s;
     mbar_expect_tx(bar, stage_tx);
-    bulk_copy(st, xb + (static_cast<long>(c) * groups + g0) * 1024, tile_groups * 1024, bar);
 #pragma unroll
     for (int kt = 0; kt < kKc / 16; ++kt) {
       const int16_t* row =
@@ -110,14 +110,29 @@ __global__ void __launch_bounds__(kFusedThreads, BT* S == 128 ? 2 : 1) fused_ker
       bulk_copy(st + kXBytes + kt * kStripTiles * 32 * K, row, strip_tiles * 32 * K, bar);
     }
   };
+  auto load_x = [&](int c, int s) {
+    bulk_copy(smem_base + s * kStageBytes, xb + (static_cast<long>(c) * groups + g0) * 1024, tile_groups * 1024,
+              bar0 + 8 * s);
+  };
+  auto load_stage = [&](int c, int s) {
+    load_weights(c, s);
+    load_x(c, s);
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kFusedStages; ++s) mbar_init(bar0 + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  // Launched with launch_pdl after the x' prep kernel (common/pdl.cuh): the first stages' weights are fetched
+  // before waiting for it, their x' after. The epilogue kernel may launch once every block has started.
+  pdl_launch_dependents();
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kFusedStages - 1 && s < nchunks; ++s) load_stage(c0 + s, s);
+    for (int s = 0; s < kFusedStages - 1 && s < nchunks; ++s) load_weights(c0 + s, s);
+  }
+  pdl_wait();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kFusedStages - 1 && s < nchunks; ++s) load_x(c0 + s, s);
   }
 
   float acc[S][BT / 2];
@@ -231,8 +246,7 @@ cudaError_t launch_fused(const Exl3GemmFusedArgs& a, cudaStream_t stream) {
     raised.fetch_or(uint64_t{1} << (dev & 63), std::memory_order_acq_rel);
   }
   const dim3 grid((a.n + 128 * S - 1) / (128 * S), (a.m + BT - 1) / BT, a.splits);
-  fused_kernel<K, CB, BT, S><<<grid, kFusedThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return launch_pdl(fused_kernel<K, CB, BT, S>, grid, dim3(kFusedThreads), smem, stream, a);
 }
 
 template <int K>

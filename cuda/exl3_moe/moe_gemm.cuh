@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "common/arrive.cuh"
+#include "common/pdl.cuh"
 #include "exl3_moe/moe_device.cuh"
 
 namespace twinspark {
@@ -306,6 +307,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
       if (s < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
       cp_async_commit();
     }
+    if constexpr (DOWN) pdl_wait();  // the weights are on their way; A reads the gate/up kernel's sums
     for (int c0 = 0; c0 < nkb; c0 += kChunkKb) {
       const int cn = min(kChunkKb, nkb - c0);
       if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A
@@ -325,6 +327,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
     int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + 2 * kRows * kAStride);  // [2][64][kW]
     issue_tiles<kW>(tr, tiles_n, slice, kb0, tbuf);
     cp_async_commit();
+    if constexpr (DOWN) pdl_wait();  // the weights are on their way; A reads the gate/up kernel's sums
     produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0, abuf);
     for (int i = 0; i < nkb; ++i) {
       cp_async_wait<0>();
@@ -434,6 +437,9 @@ __global__ void __launch_bounds__(kThreads, MT == 1 && !DOWN ? 3 : 2) moe_gemm_k
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
   const int item = blockIdx.x;
+  // The down kernel is launched with launch_pdl (common/pdl.cuh): once every gate/up block has started, its blocks
+  // may take free SM slots, route and fetch their first weight tiles, and wait there for gate/up to finish.
+  if constexpr (!DOWN) pdl_launch_dependents();
   if (p.small_route) {
     if (!DOWN) {
       // No routing launch zeroes the workspace: gate/up clears out32 (the down kernel's atomics land there) and
@@ -452,7 +458,10 @@ __global__ void __launch_bounds__(kThreads, MT == 1 && !DOWN ? 3 : 2) moe_gemm_k
   const int nitems = p.small_route ? rows.nitems : *p.num_items;
   if (item >= nitems) {
     // No local pair at all: nobody counts the slices, so item 0 writes the (zero) output itself.
-    if (DOWN && p.fuse_convert && nitems == 0 && item == 0) convert_columns(p, blockIdx.y * 128);
+    if (DOWN && p.fuse_convert && nitems == 0 && item == 0) {
+      pdl_wait();  // gate/up zeroed out32
+      convert_columns(p, blockIdx.y * 128);
+    }
     return;
   }
   const int e = p.small_route ? rows.e : p.items[3 * item];
@@ -480,6 +489,7 @@ __global__ void __launch_bounds__(kThreads, MT == 1 && !DOWN ? 3 : 2) moe_gemm_k
   }
   __syncthreads();
   if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, kb0, kb1);
+  if constexpr (DOWN) pdl_wait();  // (returns at once: gemm_body waited) before the arrival on gate/up's counters
 
   if constexpr (DOWN) {
     if (p.fuse_convert) {
@@ -508,6 +518,7 @@ cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaSt
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(max_items, DOWN ? p.H / 128 : 2 * (p.I / 128), DOWN ? 1 : p.splitk);
+  if (DOWN) return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
