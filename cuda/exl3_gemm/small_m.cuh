@@ -24,6 +24,7 @@
 #include <atomic>
 
 #include "common/arrive.cuh"
+#include "common/pdl.cuh"
 #include "exl3/decode_tile.cuh"
 #include "exl3/hadamard.cuh"
 #include "exl3_gemm/exl3_gemm.h"
@@ -189,6 +190,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(con
     if (s < nchunks) load_tiles(c0 + s, s);
     cp_async_commit();
   }
+  // Launched with launch_pdl (common/pdl.cuh): the first weights are on their way while the kernel before this
+  // one finishes; x, x' (prep), ws, the counters and out are touched only after the wait. The next call's blocks
+  // may launch once all of this grid's blocks have started.
+  pdl_launch_dependents();
+  pdl_wait();
 
   float acc[G][4];
 #pragma unroll
@@ -310,8 +316,8 @@ cudaError_t launch_small(const Exl3GemmSmallArgs& a, cudaStream_t stream) {
     raised.fetch_or(uint64_t{1} << (dev & 63), std::memory_order_acq_rel);
   }
   const dim3 grid(a.n / 128, a.splits);
-  small_m_kernel<K, CB, G><<<grid, kThreads, smem_bytes(K, G, a.m < 8 * G ? a.m : 8 * G), stream>>>(a);
-  return cudaGetLastError();
+  return launch_pdl(small_m_kernel<K, CB, G>, grid, dim3(kThreads), smem_bytes(K, G, a.m < 8 * G ? a.m : 8 * G), stream,
+                    a);
 }
 
 // Large-m path: W_hat^T fp16 [n, k] (the nn.Linear layout a dense matmul reads as B^T). A warp owns 8 tiles
