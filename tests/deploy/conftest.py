@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from twinspark import ports
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import HEAD_IP, Lab  # noqa: E402
@@ -58,9 +59,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HEAD_IP if _has(HEAD_IP) else "127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port(HEAD_IP if _has(HEAD_IP) else "127.0.0.1")
 
 
 def _has(ip: str) -> bool:

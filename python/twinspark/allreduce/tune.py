@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from twinspark.ports import free_port
+
 DEFAULT_SIZES = [2 << 10, 8 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]
 
 
@@ -126,9 +128,7 @@ def main(argv=None) -> int:
     if args.spawn:
         import torch.multiprocessing as mp
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         mp.spawn(_spawned, args=(args.spawn, port, _strip_spawn(argv)), nprocs=args.spawn, join=True)
         return 0
     if "RANK" not in os.environ:

@@ -11,22 +11,17 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from twinspark.ports import free_port
+
 
 class ServerError(RuntimeError):
     """The server did not come up; the message says why and ends with the log's last lines."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalServer:
