@@ -30,6 +30,7 @@ struct LaneWindow {
   // the states can be cut straight out of the three words (no re-alignment).
   static constexpr bool kStatic = (8 * K) % 32 == 0;
   static constexpr int kStaticOff = ((K - 16) % 32 + 32) % 32;
+  static constexpr int kBase = kStatic ? kStaticOff : 0;  // bit of a0 where the window starts after align()
   int w0, w1, w2, off;
 
   __device__ __forceinline__ explicit LaneWindow(int lane) {
@@ -39,6 +40,18 @@ struct LaneWindow {
     w1 = (w0 + 1) % kWords;
     w2 = (w0 + 2) % kWords;
     off = start & 31;
+  }
+
+  // The lane's three window words (tile[w0], tile[w1], tile[w2]) shifted so the window starts at bit kBase of a0.
+  __device__ __forceinline__ void align(uint32_t t0, uint32_t t1, uint32_t t2, uint32_t& a0, uint32_t& a1,
+                                        uint32_t& a2) const {
+    if constexpr (kStatic) {
+      a0 = t0, a1 = t1, a2 = t2;
+    } else {
+      a0 = __funnelshift_l(t1, t0, off);
+      a1 = __funnelshift_l(t2, t1, off);
+      a2 = t2 << off;
+    }
   }
 };
 
@@ -91,14 +104,8 @@ template <int K, int CB>
 __device__ __forceinline__ void decode_lane_words(uint32_t w0, uint32_t w1, uint32_t w2, const LaneWindow<K>& lw,
                                                   uint32_t (&pair)[4]) {
   uint32_t a0, a1, a2;
-  constexpr int base = LaneWindow<K>::kStatic ? LaneWindow<K>::kStaticOff : 0;
-  if constexpr (LaneWindow<K>::kStatic) {
-    a0 = w0, a1 = w1, a2 = w2;
-  } else {
-    a0 = __funnelshift_l(w1, w0, lw.off);
-    a1 = __funnelshift_l(w2, w1, lw.off);
-    a2 = w2 << lw.off;
-  }
+  lw.align(w0, w1, w2, a0, a1, a2);
+  constexpr int base = LaneWindow<K>::kBase;
   pair[0] = decode_pair_at<K, CB, base, 0>(a0, a1, a2);
   pair[1] = decode_pair_at<K, CB, base, 1>(a0, a1, a2);
   pair[2] = decode_pair_at<K, CB, base, 2>(a0, a1, a2);
@@ -121,16 +128,9 @@ __device__ __forceinline__ uint32_t decode_raw(uint32_t s) {
 
 template <int K, int CB>
 __device__ __forceinline__ void decode_lane_raw(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&r)[8]) {
-  const uint32_t w0 = tile[lw.w0], w1 = tile[lw.w1], w2 = tile[lw.w2];
   uint32_t a0, a1, a2;
-  constexpr int base = LaneWindow<K>::kStatic ? LaneWindow<K>::kStaticOff : 0;
-  if constexpr (LaneWindow<K>::kStatic) {
-    a0 = w0, a1 = w1, a2 = w2;
-  } else {
-    a0 = __funnelshift_l(w1, w0, lw.off);
-    a1 = __funnelshift_l(w2, w1, lw.off);
-    a2 = w2 << lw.off;
-  }
+  lw.align(tile[lw.w0], tile[lw.w1], tile[lw.w2], a0, a1, a2);
+  constexpr int base = LaneWindow<K>::kBase;
   r[0] = decode_raw<CB>(take16<base + 0 * K>(a0, a1, a2));
   r[1] = decode_raw<CB>(take16<base + 1 * K>(a0, a1, a2));
   r[2] = decode_raw<CB>(take16<base + 2 * K>(a0, a1, a2));
