@@ -12,10 +12,10 @@
 // tiles per 128-deep k-block (one Hadamard block) into registers with the GEMM's decoder (exl3/decode_tile.cuh).
 // The rate of each expert is read on the device (experts may differ in K); one switch per block picks the decode
 // template.
-// - MT = 1 (decode, 16-row items): A of up to kChunkKb k-blocks is built at once (one memory round trip), the
-//   trellis streams through a kStages cp.async ring, and the tile is the mma A operand (W_hat^T) against 8 rows of
-//   x' (one mma per tile while the item has <= 8 rows). Shared memory: kChunkKb * 16 * 136 fp16 + kStages * 64
-//   tiles * max_words int16 = 34 + 12 KB at K = 2, 34 + 48 KB at K = 8.
+// - MT = 1 (decode, 16-row items): A of up to chunk_kb (8 gate/up, 10 down) k-blocks is built at once (one memory
+//   round trip), the trellis streams through a kStages cp.async ring, and the tile is the mma A operand (W_hat^T)
+//   against 8 rows of x' (one mma per tile while the item has <= 8 rows). Shared memory: chunk_kb * 16 * 136 fp16
+//   + kStages * 64 tiles * max_words int16 = 34 (42.5 down) + 12 KB at K = 2, + 48 KB at K = 8.
 // - MT = 4 (prefill, 64-row items): A and the tiles of the next k-block are built/staged while this one is
 //   multiplied (double buffers); the tile is the mma B operand against 4 groups of 16 rows. 2 * 64 * 136 fp16 +
 //   2 * 64 tiles * max_words int16 = 67 KB at K = 8.
@@ -62,14 +62,17 @@ struct GemmParams {
   bool fuse_convert;
 };
 
-constexpr int kChunkKb = 8;  // 16-row items: k-blocks of A built at once (8 * 16 rows * 272 B = 34 KB)
-constexpr int kStages = 3;   // 16-row items: trellis buffers (3 * 16 KB at K = 8)
+// 16-row items: k-blocks of A built at once (16 rows * 272 B each). Down: 10, so an intermediate size up to 1280
+// (1152 per rank here) is one chunk: its second chunk was a serial A build of one k-block (one warp working, the
+// rest at the barrier) in the middle of every down block.
+__host__ __device__ constexpr int chunk_kb(bool down) { return down ? 10 : 8; }
+constexpr int kStages = 3;  // 16-row items: trellis buffers (3 * 16 KB at K = 8)
 
-// 16-row items: A chunk + kStages tile buffers (K = 8: 43.5 + 48 KB); 64-row items: 2 A blocks + 2 tile buffers
-// (K = 8: 34 + 32 KB). Both <= 99 KB (GB10).
-inline size_t gemm_smem_bytes(int mt, int max_words) {
+// 16-row items: A chunk + kStages tile buffers (K = 8, down: 42.5 + 48 KB); 64-row items: 2 A blocks + 2 tile
+// buffers (K = 8: 34 + 32 KB). All <= 99 KB (GB10).
+inline size_t gemm_smem_bytes(int mt, bool down, int max_words) {
   const size_t tiles = 64 * static_cast<size_t>(max_words) * 2;
-  if (mt == 1) return static_cast<size_t>(kChunkKb) * 16 * kAStride * 2 + kStages * tiles;
+  if (mt == 1) return static_cast<size_t>(chunk_kb(down)) * 16 * kAStride * 2 + kStages * tiles;
   return 2 * static_cast<size_t>(16 * mt) * kAStride * 2 + 2 * tiles;
 }
 
@@ -165,12 +168,24 @@ __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows
     for (int q = 0; q < 4; ++q) v[q] *= s[q];
   } else {
     const float* g = p.gu32 + static_cast<size_t>(rows.pair[r]) * 2 * p.I + col;
+    const size_t part = static_cast<size_t>(p.P) * 2 * p.I;
     float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < p.splitk; ++s, g += static_cast<size_t>(p.P) * 2 * p.I) {
-      const float4 g4 = *reinterpret_cast<const float4*>(g);
-      const float4 u4 = *reinterpret_cast<const float4*>(g + p.I);
-      gv[0] += g4.x, gv[1] += g4.y, gv[2] += g4.z, gv[3] += g4.w;
-      uv[0] += u4.x, uv[1] += u4.y, uv[2] += u4.z, uv[3] += u4.w;
+    // The k-split parts' loads of a round are all issued before any is used (a plain loop over the run-time part
+    // count waited one L2 round trip per part).
+    constexpr int kRound = 4;
+    for (int s0 = 0; s0 < p.splitk; s0 += kRound) {
+      float4 g4[kRound], u4[kRound];
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) {
+        const bool in = s0 + j < p.splitk;
+        g4[j] = in ? *reinterpret_cast<const float4*>(g + (s0 + j) * part) : make_float4(0.f, 0.f, 0.f, 0.f);
+        u4[j] = in ? *reinterpret_cast<const float4*>(g + (s0 + j) * part + p.I) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) {
+        gv[0] += g4[j].x, gv[1] += g4[j].y, gv[2] += g4[j].z, gv[3] += g4[j].w;
+        uv[0] += u4[j].x, uv[1] += u4[j].y, uv[2] += u4[j].z, uv[3] += u4[j].w;
+      }
     }
     exl3::hadamard128_warp(gv, lane);
     exl3::hadamard128_warp(uv, lane);
@@ -205,18 +220,18 @@ __device__ __forceinline__ void produce_a(const GemmParams& p, const RowTables& 
 
 // The A blocks of k-blocks kb0 .. kb0+n-1 at once (16-row items): tasks (k-block, row) are spread over the warps
 // k-block first, so the few real rows of a decode item land on different warps and their loads overlap (one
-// memory round trip per chunk instead of one per k-block). Block j lives at a + j * 16 * kAStride.
+// memory round trip per chunk instead of one per k-block). Block j lives at a + j * arows * kAStride.
 // Only rows < rcnt are written: in the transposed mma of 16-row items a row of A is a column of the product, and
 // the columns of rows >= rcnt are never stored, so whatever those rows hold cannot reach the output.
 template <bool DOWN>
 __device__ __forceinline__ void produce_chunk(const GemmParams& p, const RowTables& rows, int rcnt, int e, int mat,
-                                              int kb0, int n, __half* a) {
+                                              int kb0, int n, int arows, __half* a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = warp; i < rcnt * n; i += kThreads / 32) {
     const int r = i / n, j = i - r * n;
     float v[4];
     a_row<DOWN>(p, rows, r, e, mat, kb0 + j, v);
-    *reinterpret_cast<uint2*>(a + (j * 16 + r) * kAStride + lane * 4) = pack4_half(v);
+    *reinterpret_cast<uint2*>(a + (j * arows + r) * kAStride + lane * 4) = pack4_half(v);
   }
 }
 
@@ -238,17 +253,22 @@ __device__ __forceinline__ void issue_tiles(const int16_t* tr, int tiles_n, int 
 }
 
 // One 128-deep k-block: warp w decodes its 8 tiles (column tile w) and multiplies every 16-row group of A.
-template <int CB, int MT, int KA, bool HALF>
+// TWO (16-row items): the item has more than 8 rows, so each tile takes a second mma (a block-uniform choice made
+// per k-block by the caller: a predicated-off ldmatrix + mma still took two issue slots per tile).
+template <int CB, int MT, int KA, bool HALF, bool TWO = true>
 __device__ __forceinline__ void mma_kblock(const int16_t* tb, const __half* ab, int rcnt, float acc[MT][2][4]) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const exl3::LaneWindow<HALF ? 1 : KA> lw(lane);  // whole rates: the GEMM's per-lane decoder
   // ldmatrix.x4 row address of this lane: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) = a0a1, a2a3, a4a5, a6a7.
   const int a_row_ = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
-#pragma unroll 2
+  // 16-row items: all 8 tiles unrolled (the tile and x' addresses become immediate offsets: ~8 fewer address
+  // instructions per tile than unroll 2); 64-row items keep unroll 2 (their 32 accumulators).
+  const int16_t* tbw = tb + warp * kW;
+#pragma unroll(MT == 1 ? 8 : 2)
   for (int kt = 0; kt < 8; ++kt) {
     uint32_t b[4];
-    const uint32_t* tw = reinterpret_cast<const uint32_t*>(tb + (kt * 8 + warp) * kW);
+    const uint32_t* tw = reinterpret_cast<const uint32_t*>(tbw + kt * 8 * kW);
     if constexpr (HALF) {
       decode_tile_half<CB, KA>(tw, lane, b);
     } else {
@@ -261,7 +281,7 @@ __device__ __forceinline__ void mma_kblock(const int16_t* tb, const __half* ab, 
       uint32_t x0, x1;
       ldmatrix_x2(x0, x1, ab + (lane & 7) * kAStride + kt * 16 + 8 * ((lane >> 3) & 1));
       mma_16816(acc[0][0], af, x0, x1);
-      if (rcnt > 8) {
+      if (TWO) {
         ldmatrix_x2(x0, x1, ab + (8 + (lane & 7)) * kAStride + kt * 16 + 8 * ((lane >> 3) & 1));
         mma_16816(acc[0][1], af, x0, x1);
       }
@@ -300,7 +320,12 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
   if constexpr (MT == 1) {
     // 16-row items (decode): A of up to kChunkKb k-blocks is built at once (one memory round trip per chunk) and
     // the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while one is multiplied).
-    __half* abuf = reinterpret_cast<__half*>(smem);                               // [kChunkKb][16][kAStride]
+    // Items of <= 8 rows (most decode items) read only rows 0-7 of A: their k-blocks are 8 rows apart, so twice
+    // as many fit in the chunk (gate/up at 3 k-split parts: 14 k-blocks, one A build instead of two).
+    constexpr int kChunkKb = chunk_kb(DOWN);
+    const int arows = rcnt > 8 ? 16 : 8;
+    const int chunk = kChunkKb * 16 / arows;
+    __half* abuf = reinterpret_cast<__half*>(smem);                               // [chunk][arows][kAStride]
     int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + kChunkKb * 16 * kAStride);  // [kStages][64][kW]
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -308,17 +333,23 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
       cp_async_commit();
     }
     if constexpr (DOWN) pdl_wait();  // the weights are on their way; A reads the gate/up kernel's sums
-    for (int c0 = 0; c0 < nkb; c0 += kChunkKb) {
-      const int cn = min(kChunkKb, nkb - c0);
+    for (int c0 = 0; c0 < nkb; c0 += chunk) {
+      const int cn = min(chunk, nkb - c0);
       if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A
-      produce_chunk<DOWN>(p, rows, rcnt, e, mat, kb0 + c0, cn, abuf);
+      produce_chunk<DOWN>(p, rows, rcnt, e, mat, kb0 + c0, cn, arows, abuf);
       for (int i = c0; i < c0 + cn; ++i) {
         cp_async_wait<kStages - 2>();  // this thread's copies of k-block i have landed
         __syncthreads();               // everyone's have; A is ready; buffer (i - 1) % kStages is free
         const int nx = i + kStages - 1;
         if (nx < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + nx, tbuf + (nx % kStages) * 64 * kW);
         cp_async_commit();  // possibly empty: keeps one group per k-block
-        mma_kblock<CB, MT, KA, HALF>(tbuf + (i % kStages) * 64 * kW, abuf + (i - c0) * 16 * kAStride, rcnt, acc);
+        const int16_t* tb = tbuf + (i % kStages) * 64 * kW;
+        const __half* ab = abuf + (i - c0) * arows * kAStride;
+        if (rcnt > 8) {
+          mma_kblock<CB, MT, KA, HALF, true>(tb, ab, rcnt, acc);
+        } else {
+          mma_kblock<CB, MT, KA, HALF, false>(tb, ab, rcnt, acc);
+        }
       }
     }
   } else {
@@ -510,7 +541,7 @@ cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_item
 
 template <int CB, int MT, bool DOWN>
 cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaStream_t stream) {
-  const size_t smem = gemm_smem_bytes(MT, max_words);
+  const size_t smem = gemm_smem_bytes(MT, DOWN, max_words);
   auto kernel = moe_gemm_kernel<CB, MT, DOWN>;
   if (smem > 48 * 1024) {
     const cudaError_t err =

@@ -93,11 +93,12 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     rows = 16 * mt
     max_items = max(1, min(pairs, pairs // rows + min(num_experts, pairs)))
     kblocks = hidden // 128
-    # Decode: split gate/up over k until there are ~4 blocks per SM (memory-level parallelism: each block keeps
-    # one k-block of tiles in flight); each part writes its own partial sums, which the down kernel adds.
-    # (A first guess, not yet tuned on the H200.)
+    # Decode: gate/up split over k into 3 parts while its blocks fit ~4 per SM, else 2 (each part writes its own
+    # partial sums, which the down kernel adds). H200 sweep, K=3, T=1/2/4/8, 2026-12-01
+    # (bench/results/exl3_moe_v9_unroll_h200.log): 3 parts best at T <= 4 (T=1: 50.7 us vs 52.7 at 5, 56.8 at 1),
+    # 2 at T=8 (308.8 vs 312.3 at 1, 329.3 at 5).
     blocks = max(1, min(pairs, num_experts)) * 2 * (inter // 128)
-    splitk = max(1, min(kblocks, -(-4 * sms // blocks))) if decode else 1
+    splitk = min(kblocks, 3 if blocks <= 4 * sms else 2) if decode else 1
     forced = os.environ.get("TWINSPARK_EXL3_MOE_SPLITK", "")  # benchmark sweeps (bench_exl3_moe.py --sweep)
     if decode and forced:
         splitk = max(1, min(kblocks, int(forced)))
