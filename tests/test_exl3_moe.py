@@ -291,25 +291,28 @@ def test_kernel_expert_range(T, gen, cuda):
 
 @pytest.mark.gpu
 def test_kernel_two_streams_and_graph(gen, cuda):
-    """Two streams at once give the results of one; the op captures into a CUDA graph and routes on replay."""
+    """Three streams at once give the results of one (two of them use per-stream arrival counters); the op
+    captures into a CUDA graph and routes on replay."""
     E, H, inter = 16, 512, 256
     ex = ml.random_experts(E, H, inter, rates=(3, 2, 4), generator=gen)
     exd = ex.to(cuda)
     small = [t.to(cuda) for t in _inputs(gen, 4, 6, E, H)]  # decode configuration
-    large = [t.to(cuda) for t in _inputs(gen, 300, 6, E, H)]  # prefill configuration
-    a1, b1 = exl3_moe(*small, exd), exl3_moe(*large, exd)
+    mid = [t.to(cuda) for t in _inputs(gen, 40, 6, E, H)]  # routing launch, 16-row items
+    large = [t.to(cuda) for t in _inputs(gen, 300, 6, E, H)]  # prefill configuration (64-row items)
+    firsts = [exl3_moe(*args, exd) for args in (small, mid, large)]
     torch.cuda.synchronize()
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    streams = [torch.cuda.Stream() for _ in range(3)]
     outs = []
     for _ in range(20):
-        with torch.cuda.stream(s1):
-            a = exl3_moe(*small, exd)
-        with torch.cuda.stream(s2):
-            b = exl3_moe(*large, exd)
-        outs.append((a, b))
+        row = []
+        for s, args in zip(streams, (small, mid, large)):
+            with torch.cuda.stream(s):
+                row.append(exl3_moe(*args, exd))
+        outs.append(row)
     torch.cuda.synchronize()
-    for a, b in outs:  # fp32 atomics may sum in another order: equal up to an ulp of the output, not bitwise
-        assert rel_l2(a, a1) < 1e-3 and rel_l2(b, b1) < 1e-3
+    for row in outs:  # fp32 atomics may sum in another order: equal up to an ulp of the output, not bitwise
+        for got, first in zip(row, firsts):
+            assert rel_l2(got, first) < 1e-3
     xs, ids_s, ws = (t.clone() for t in small)
     exl3_moe(xs, ids_s, ws, exd)  # warm up outside capture
     torch.cuda.synchronize()
@@ -322,3 +325,34 @@ def test_kernel_two_streams_and_graph(gen, cuda):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_l2(out.cpu(), reference_moe(x.float(), ids, w, ex).double()) <= TOL  # CPU reference here
+
+
+@pytest.mark.gpu
+def test_kernel_first_call_inside_capture(gen, cuda):
+    """The per-stream arrival counters made inside a capture (no warm-up on that stream) hold garbage until
+    something zeroes them: a graph that is never replayed must not poison the next eager call or graph."""
+    E, H, inter = 16, 512, 256
+    ex = ml.random_experts(E, H, inter, rates=(2, 3, 4), generator=gen)
+    exd = ex.to(cuda)
+    x, ids, w = _inputs(gen, 3, 6, E, H)
+    xs, ids_s, ws = x.to(cuda), ids.to(cuda), w.to(cuda)
+    want = reference_moe(x.float(), ids, w, ex).double()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        ga, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(ga, stream=s):
+            exl3_moe(xs, ids_s, ws, exd)  # the stream's first call: its counters are made here
+        with torch.cuda.graph(gb, stream=s):
+            out_b = exl3_moe(xs, ids_s, ws, exd)
+        out_b.fill_(float("nan"))
+        gb.replay()
+        s.synchronize()
+        assert rel_l2(out_b.cpu(), want) <= TOL, "graph B after an unreplayed graph A"
+        got = exl3_moe(xs, ids_s, ws, exd)  # eager: zeroes the counters once, then they stay zero
+        s.synchronize()
+        assert rel_l2(got.cpu(), want) <= TOL, "eager call after the captures"
+        ga.replay()
+        got2 = exl3_moe(xs, ids_s, ws, exd)
+        s.synchronize()
+        assert rel_l2(got2.cpu(), want) <= TOL, "eager call after replaying graph A"
+    del ga, gb

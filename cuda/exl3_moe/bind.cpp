@@ -9,20 +9,20 @@ namespace py = pybind11;
 void bind_exl3_moe(py::module_& m) {
   m.def(
       "exl3_moe_workspace",
-      [](int T, int topk, int H, int I, int max_items, int splitk) {
+      [](int T, int topk, int H, int I, int max_items, int splitk, int mt) {
         size_t n_int = 0, n_f32 = 0;
-        twinspark::exl3_moe_workspace(T, topk, H, I, max_items, splitk, &n_int, &n_f32);
+        twinspark::exl3_moe_workspace(T, topk, H, I, max_items, splitk, mt, &n_int, &n_f32);
         return py::make_tuple(n_int, n_f32);
       },
-      py::arg("T"), py::arg("topk"), py::arg("H"), py::arg("I"), py::arg("max_items"), py::arg("splitk"),
+      py::arg("T"), py::arg("topk"), py::arg("H"), py::arg("I"), py::arg("max_items"), py::arg("splitk"), py::arg("mt"),
       "(int32 elements, float32 elements) of exl3_moe's per-call workspaces");
   m.def(
       "exl3_moe",
       [](std::uintptr_t x, std::uintptr_t ids, std::uintptr_t topk_w, std::uintptr_t trellis, std::uintptr_t offsets,
          std::uintptr_t words, std::uintptr_t suh13, std::uintptr_t svh13, std::uintptr_t suh2, std::uintptr_t svh2,
-         std::uintptr_t ws_int, std::uintptr_t ws_f32, std::uintptr_t out, int T, int topk, int E, int H, int I,
-         int first_expert, int max_words, int codebook, float limit, bool x_bf16, int mt, int splitk, int max_items,
-         bool fuse_convert, bool small_route, std::uintptr_t stream) {
+         std::uintptr_t ws_int, std::uintptr_t ws_f32, std::uintptr_t act_counters, std::uintptr_t out, int T, int topk,
+         int E, int H, int I, int first_expert, int max_words, int codebook, float limit, bool x_bf16, int mt,
+         int splitk, int max_items, bool fuse_convert, bool small_route, std::uintptr_t stream) {
         using twinspark::ptr;
         twinspark::Exl3MoeArgs a{};
         a.x = ptr<const void>(x);
@@ -37,6 +37,7 @@ void bind_exl3_moe(py::module_& m) {
         a.svh2 = ptr<const void>(svh2);
         a.ws_int = ptr<int32_t>(ws_int);
         a.ws_f32 = ptr<float>(ws_f32);
+        a.act_counters = ptr<int32_t>(act_counters);
         a.out = ptr<void>(out);
         a.T = T;
         a.topk = topk;
@@ -57,8 +58,9 @@ void bind_exl3_moe(py::module_& m) {
       },
       py::arg("x"), py::arg("ids"), py::arg("topk_w"), py::arg("trellis"), py::arg("offsets"), py::arg("words"),
       py::arg("suh13"), py::arg("svh13"), py::arg("suh2"), py::arg("svh2"), py::arg("ws_int"), py::arg("ws_f32"),
-      py::arg("out"), py::arg("T"), py::arg("topk"), py::arg("E"), py::arg("H"), py::arg("I"), py::arg("first_expert"),
-      py::arg("max_words"), py::arg("codebook"), py::arg("limit"), py::arg("x_bf16"), py::arg("mt"), py::arg("splitk"),
-      py::arg("max_items"), py::arg("fuse_convert"), py::arg("small_route"), py::arg("stream"));
+      py::arg("act_counters"), py::arg("out"), py::arg("T"), py::arg("topk"), py::arg("E"), py::arg("H"), py::arg("I"),
+      py::arg("first_expert"), py::arg("max_words"), py::arg("codebook"), py::arg("limit"), py::arg("x_bf16"),
+      py::arg("mt"), py::arg("splitk"), py::arg("max_items"), py::arg("fuse_convert"), py::arg("small_route"),
+      py::arg("stream"));
 }
 #endif

@@ -143,7 +143,7 @@ bool valid_args(const Exl3MoeArgs& a) {
          a.max_items >= 1 && a.max_words >= 16 && a.max_words <= 128 && a.codebook >= 0 && a.codebook <= 2 &&
          (!a.small_route || (a.mt == 1 && static_cast<long>(a.T) * a.topk <= 64)) &&
          // every k-split part is non-empty (each writes partial sums the down kernel reads)
-         (a.splitk - 1) * ((a.H / 128 + a.splitk - 1) / a.splitk) < a.H / 128;
+         (a.splitk - 1) * ((a.H / 128 + a.splitk - 1) / a.splitk) < a.H / 128 && (a.mt != 1 || a.act_counters);
 }
 
 }  // namespace
@@ -158,6 +158,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   int32_t* counters = num_items + 1;
   float* gu32 = a.ws_f32;
   float* out32 = gu32 + static_cast<size_t>(a.splitk) * P * 2 * a.I;
+  __half* act = a.mt == 1 ? reinterpret_cast<__half*>(out32 + static_cast<size_t>(a.T) * a.H) : nullptr;
   cudaError_t err = cudaSuccess;
 
   if (!a.small_route) {
@@ -199,6 +200,8 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.counters = counters;
   gp.gu32 = gu32;
   gp.out32 = out32;
+  gp.act = act;
+  gp.act_counters = a.act_counters;
   gp.out = a.out;
   gp.T = a.T;
   gp.topk = a.topk;

@@ -9,12 +9,16 @@
 //            16*KA+8: K 1..8, 1.5/2.5/3.5); suh13 fp16 [E, 2, H]; svh13 fp16 [E, 2, I]; suh2 fp16 [E, I];
 //            svh2 fp16 [E, H]. H, I multiples of 128; 1 <= topk <= 64; E <= 4000; max_words = max(words).
 //   ws_int / ws_f32: per-call workspaces of exl3_moe_workspace() elements (never shared between calls or streams).
+//   act_counters (mt = 1): the arrival counters of down's activations, zero before the call; the call leaves
+//   them zero (one buffer per stream may serve every call on that stream).
 //   mt (1 or 4): an item is up to 16*mt rows (pairs) of one expert; splitk >= 1 splits gate/up over k
 //   (each part writes its own partial sums; the down kernel adds them); max_items >= the item count of any
 //   routing (the grids' x extent); fuse_convert: the down kernel's last block per 128 columns writes `out`
 //   (else one more small launch); small_route (T*topk <= 64, mt = 1): no routing launch.
 // Launches: decode (small_route + fuse_convert): gate/up, down. Otherwise: route (+ zeroing), gate/up, down,
 // convert. No host sync: capturable in a CUDA graph.
+// mt = 1: the last gate/up block of each (item, 128 columns of I) makes down's fp16 activations for them
+// (sum of the k-split parts, Hadamards, SiLU(gate) * up, suh of down) once; the down blocks copy them.
 // fp32 atomics sum the experts of one token, so results may differ in the last fp32 bit from run to run.
 #pragma once
 #include <cuda_runtime.h>
@@ -36,6 +40,7 @@ struct Exl3MoeArgs {
   const void* svh2;
   int32_t* ws_int;
   float* ws_f32;
+  int32_t* act_counters;  // mt == 1: >= max_items * I/128 ints, zero on entry and on exit (a per-stream buffer)
   void* out;
   int T, topk, E, H, I, first_expert, max_words, codebook;
   float limit;  // < 0: no clamp
@@ -46,11 +51,13 @@ struct Exl3MoeArgs {
 };
 
 // Workspace sizes in elements. ws_int: sorted pairs [P], pair ranks [P], items [3 * max_items], item count [1],
-// down-slice counters [H/128]. ws_f32: gate/up partial sums [splitk, P, 2I] then the fp32 output [T, H].
-inline void exl3_moe_workspace(int T, int topk, int H, int I, int max_items, int splitk, size_t* n_int, size_t* n_f32) {
+// down-slice counters [H/128]. ws_f32: gate/up partial sums [splitk, P, 2I], the fp32 output [T, H], then
+// (mt = 1) down's fp16 activations [P, I] (P * I / 2 floats).
+inline void exl3_moe_workspace(int T, int topk, int H, int I, int max_items, int splitk, int mt, size_t* n_int,
+                               size_t* n_f32) {
   const size_t P = static_cast<size_t>(T) * topk;
   *n_int = 2 * P + 3 * static_cast<size_t>(max_items) + 1 + H / 128;
-  *n_f32 = static_cast<size_t>(splitk) * P * 2 * I + static_cast<size_t>(T) * H;
+  *n_f32 = static_cast<size_t>(splitk) * P * 2 * I + static_cast<size_t>(T) * H + (mt == 1 ? P * I / 2 : 0);
 }
 
 cudaError_t exl3_moe(const Exl3MoeArgs& args, cudaStream_t stream);

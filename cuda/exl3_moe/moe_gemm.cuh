@@ -4,17 +4,19 @@
 //     by token, times suh, 128-point Hadamard, fp16. Output: raw sums (before the output Hadamard) into the
 //     fp32 gate/up buffer [splitk][P][2I] at the pair's row (each k-split part writes its own partial sums).
 //   down (DOWN = true): block (item, 128 output columns of down). A = the pair's gate/up sums: output Hadamard,
-//     svh, SiLU(gate) * up (clamped), suh of down, input Hadamard, fp16. Output: Hadamard, svh, times the pair's
-//     routing weight, fp32 atomics into out32 [T, H]; with fuse_convert the last block of each 128 columns
-//     writes them to `out` in x's dtype.
+//     svh, SiLU(gate) * up (clamped), suh of down, input Hadamard, fp16 (16-row items: made once per item by the
+//     last gate/up block of each 128 columns of I, finish_act, and copied from p.act; 64-row items: built by
+//     every block). Output: Hadamard, svh, times the pair's routing weight, fp32 atomics into out32 [T, H]; with
+//     fuse_convert the last block of each 128 columns writes them to `out` in x's dtype.
 //
 // An item is up to 16*MT rows (routed pairs) of one expert; warp w owns output tile column w and decodes its 8
 // tiles per 128-deep k-block (one Hadamard block) into registers with the GEMM's decoder (exl3/decode_tile.cuh).
 // The rate of each expert is read on the device (experts may differ in K); one switch per block picks the decode
 // template.
-// - MT = 1 (decode, 16-row items): A of up to chunk_kb (8 gate/up, 10 down) k-blocks is built at once (one memory
-//   round trip), the trellis streams through a kStages cp.async ring, and the tile is the mma A operand (W_hat^T)
-//   against 8 rows of x' (one mma per tile while the item has <= 8 rows). Shared memory: chunk_kb * 16 * 136 fp16
+// - MT = 1 (decode, 16-row items): A of up to chunk_kb (8 gate/up, 10 down) k-blocks is built or copied at once
+//   (one memory round trip), the trellis streams through a kStages cp.async ring, and the tile is the mma A operand
+//   (W_hat^T) against 8 rows of x' (one mma per tile while the item has <= 8 rows). Shared memory: chunk_kb * 16 * 136
+//   fp16
 //   + kStages * 64 tiles * max_words int16 = 34 (42.5 down) + 12 KB at K = 2, + 48 KB at K = 8.
 // - MT = 4 (prefill, 64-row items): A and the tiles of the next k-block are built/staged while this one is
 //   multiplied (double buffers); the tile is the mma B operand against 4 groups of 16 rows. 2 * 64 * 136 fp16 +
@@ -53,6 +55,8 @@ struct GemmParams {
   int32_t* counters;
   float* gu32;  // [splitk][P][2I]: each k-split part writes its own partial sums (no atomics, no zeroing)
   float* out32;
+  __half* act;            // 16-row items: down's fp16 activations [P][I], made once by gate/up (finish_act)
+  int32_t* act_counters;  // [max_items][I/128] arrivals of gate/up blocks, zero between calls
   void* out;
   int T, topk, H, I, P, E, first_expert;
   bool small_route;  // P <= 64: every block routes for itself (no routing launch); gate/up zeroes out32
@@ -177,9 +181,10 @@ __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows
       float4 g4[kRound], u4[kRound];
 #pragma unroll
       for (int j = 0; j < kRound; ++j) {
-        const bool in = s0 + j < p.splitk;
-        g4[j] = in ? *reinterpret_cast<const float4*>(g + (s0 + j) * part) : make_float4(0.f, 0.f, 0.f, 0.f);
-        u4[j] = in ? *reinterpret_cast<const float4*>(g + (s0 + j) * part + p.I) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const bool in = s0 + j < p.splitk;  // L2 loads: other blocks of the running grid wrote them (finish_act)
+        g4[j] = in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        u4[j] =
+            in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part + p.I)) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int j = 0; j < kRound; ++j) {
@@ -218,21 +223,65 @@ __device__ __forceinline__ void produce_a(const GemmParams& p, const RowTables& 
   }
 }
 
-// The A blocks of k-blocks kb0 .. kb0+n-1 at once (16-row items): tasks (k-block, row) are spread over the warps
-// k-block first, so the few real rows of a decode item land on different warps and their loads overlap (one
-// memory round trip per chunk instead of one per k-block). Block j lives at a + j * arows * kAStride.
-// Only rows < rcnt are written: in the transposed mma of 16-row items a row of A is a column of the product, and
-// the columns of rows >= rcnt are never stored, so whatever those rows hold cannot reach the output.
-template <bool DOWN>
+// Gate/up, 16-row items: the A blocks of k-blocks kb0 .. kb0+n-1 at once: tasks (k-block, row) are spread over
+// the warps k-block first, so the few real rows of a decode item land on different warps and their loads overlap
+// (one memory round trip per chunk instead of one per k-block). Block j lives at a + j * arows * kAStride.
+// Only rows < rcnt are written (here and in copy_act_chunk): in the transposed mma of 16-row items a row of A is a
+// column of the product, and the columns of rows >= rcnt are never stored, so whatever those rows hold cannot
+// reach the output.
 __device__ __forceinline__ void produce_chunk(const GemmParams& p, const RowTables& rows, int rcnt, int e, int mat,
                                               int kb0, int n, int arows, __half* a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = warp; i < rcnt * n; i += kThreads / 32) {
     const int r = i / n, j = i - r * n;
     float v[4];
-    a_row<DOWN>(p, rows, r, e, mat, kb0 + j, v);
+    a_row<false>(p, rows, r, e, mat, kb0 + j, v);
     *reinterpret_cast<uint2*>(a + (j * arows + r) * kAStride + lane * 4) = pack4_half(v);
   }
+}
+
+// Down, 16-row items: the A blocks of k-blocks kb0 .. kb0+n-1 copied from the activations gate/up made
+// (p.act, fp16 [P][I]): rcnt rows x n k-blocks x 16 pieces of 16 bytes, a round of loads in flight per thread.
+__device__ __forceinline__ void copy_act_chunk(const GemmParams& p, const RowTables& rows, int rcnt, int kb0, int n,
+                                               int arows, __half* a) {
+  constexpr int kRound = 4;
+  const int total = rcnt * n * 16;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kRound * kThreads) {
+    uint4 v[kRound];
+#pragma unroll
+    for (int j = 0; j < kRound; ++j) {
+      const int i = i0 + j * kThreads, r = i / (n * 16), q = i - r * n * 16;
+      if (i < total)
+        v[j] = __ldcg(reinterpret_cast<const uint4*>(p.act + static_cast<size_t>(rows.pair[r]) * p.I + kb0 * 128) + q);
+    }
+#pragma unroll
+    for (int j = 0; j < kRound; ++j) {
+      const int i = i0 + j * kThreads, r = i / (n * 16), q = i - r * n * 16;
+      if (i < total) *reinterpret_cast<uint4*>(a + ((q >> 4) * arows + r) * kAStride + (q & 15) * 8) = v[j];
+    }
+  }
+}
+
+// Gate/up, 16-row items, after the block stored its partial sums: one acquire-release arrival per (item, 128
+// columns of I); the last of the 2 * splitk blocks (gate and up, every k part) makes down's activations of those
+// columns for the item's rows (a_row<true>: part sum, output Hadamards, svh, SiLU(gate) * up, suh of down, input
+// Hadamard) into p.act, and clears the counter. Every down block of the item then copies them (copy_act_chunk)
+// instead of building them again (40 times per item at H = 5120).
+__device__ __forceinline__ void finish_act(const GemmParams& p, const RowTables& rows, int item, int e, int rcnt,
+                                           int slice) {
+  __shared__ bool last;
+  int32_t* counter = p.act_counters + static_cast<size_t>(item) * (p.I / 128) + slice;
+  __syncthreads();  // the block's partial sums are stored
+  if (threadIdx.x == 0) last = arrive_acq_rel(counter) == 2 * p.splitk - 1;
+  __syncthreads();
+  if (!last) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int r = warp; r < rcnt; r += kThreads / 32) {
+    float v[4];
+    a_row<true>(p, rows, r, e, 2, slice, v);
+    *reinterpret_cast<uint2*>(p.act + static_cast<size_t>(rows.pair[r]) * p.I + slice * 128 + lane * 4) = pack4_half(v);
+  }
+  if (threadIdx.x == 0) *counter = 0;
 }
 
 // Stage the 8x8 trellis tiles of k-block kb for column slice `slice` (8 k-tile rows of 8 consecutive tiles, kW
@@ -318,7 +367,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
       for (int q = 0; q < 4; ++q) acc[mt][h][q] = 0.f;
 
   if constexpr (MT == 1) {
-    // 16-row items (decode): A of up to kChunkKb k-blocks is built at once (one memory round trip per chunk) and
+    // 16-row items (decode): A of up to kChunkKb k-blocks is built (gate/up) or copied (down) at once (one memory
+    // round trip per chunk) and
     // the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while one is multiplied).
     // Items of <= 8 rows (most decode items) read only rows 0-7 of A: their k-blocks are 8 rows apart, so twice
     // as many fit in the chunk (gate/up at 3 k-split parts: 14 k-blocks, one A build instead of two).
@@ -336,7 +386,11 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
     for (int c0 = 0; c0 < nkb; c0 += chunk) {
       const int cn = min(chunk, nkb - c0);
       if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A
-      produce_chunk<DOWN>(p, rows, rcnt, e, mat, kb0 + c0, cn, arows, abuf);
+      if constexpr (DOWN) {
+        copy_act_chunk(p, rows, rcnt, kb0 + c0, cn, arows, abuf);
+      } else {
+        produce_chunk(p, rows, rcnt, e, mat, kb0 + c0, cn, arows, abuf);
+      }
       for (int i = c0; i < c0 + cn; ++i) {
         cp_async_wait<kStages - 2>();  // this thread's copies of k-block i have landed
         __syncthreads();               // everyone's have; A is ready; buffer (i - 1) % kStages is free
@@ -520,6 +574,7 @@ __global__ void __launch_bounds__(kThreads, MT == 1 && !DOWN ? 3 : 2) moe_gemm_k
   }
   __syncthreads();
   if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, kb0, kb1);
+  if constexpr (MT == 1 && !DOWN) finish_act(p, rows, item, e, rcnt, slice);
   if constexpr (DOWN) pdl_wait();  // (returns at once: gemm_body waited) before the arrival on gate/up's counters
 
   if constexpr (DOWN) {

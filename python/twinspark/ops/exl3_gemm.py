@@ -11,13 +11,9 @@ Kernel variants (the one table is `plan`; cuda/exl3_gemm/README.md says why each
   (dequant_t), x' in fp16, a dense fp16 tensor-core matmul (torch.mm / cuBLAS), then Hn, svh and bias in one
   kernel.
 
-Graph safety: no host sync, no tuning (the table is static), and the only state is a workspace per (device,
-stream) that the small kernel leaves zeroed after every call (its last block per strip clears what it read).
-Workspaces are made on a stream's first call, or grown when a layer is larger than any before; make that first
-call outside graph capture (a warm-up run) so nothing is allocated while capturing — if it does happen inside a
-capture it still works: the allocation comes from the graph's pool, and until an eager call has zeroed it each
-captured graph gets one memset of it (so a graph that is never replayed cannot leave the next one garbage).
-Do not replay one graph on two streams at once (they would share its capture stream's workspace).
+Graph safety: no host sync, no tuning (the table is static), and the only state is the per (device, stream)
+workspace of ``twinspark.ops.workspace`` (read its docstring: make the first call outside graph capture), which
+the small kernel leaves zeroed after every call (its last block per strip clears what it read).
 Half rates (1.5, 2.5, 3.5) run through the PyTorch reference (a warning says so once).
 """
 
@@ -33,6 +29,7 @@ import torch
 from twinspark import _ext
 from twinspark.exl3.layer import Exl3Layer
 from twinspark.exl3.reference import CODEBOOKS, WHOLE_RATES, rate_from_last_dim
+from twinspark.ops.workspace import capture_id, workspace
 from twinspark.reference.exl3_gemm import exl3_gemm as _reference
 
 OP = "exl3_gemm"
@@ -140,58 +137,9 @@ def _cached_plan(m, k, n, K, sms, fused) -> Plan:
     return p
 
 
-# ------------------------------------------------------------------------------------------------ workspaces
-class _Workspace:
-    """Per (device, stream) scratch. ``acc`` fp32 [64 * n] and ``counters`` int32 [n / 128] are zero between
-    calls (the small kernel clears what it used); the large path's buffers are plain scratch."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.acc = torch.zeros(0, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
-        self.needs_zero = False
-        self.zeroed_in: set[int] = set()
-        self.scratch: dict[str, torch.Tensor] = {}
-
-    def small(self, n: int, capture_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """acc and counters for a layer of n columns. ``capture_id``: the stream's active capture (0: none).
-        A workspace allocated inside a capture holds garbage until something zeroes it, and that graph may never
-        be replayed: until an eager call zeroes it, every captured graph gets one memset of its own."""
-        if self.acc.numel() < M_SLICE * n or self.counters.numel() < n // 128:
-            self.acc = torch.zeros(max(self.acc.numel(), M_SLICE * n), dtype=torch.float32, device=self.device)
-            self.counters = torch.zeros(max(self.counters.numel(), n // 128), dtype=torch.int32, device=self.device)
-            self.needs_zero = bool(capture_id)
-            self.zeroed_in = {capture_id}
-        elif self.needs_zero:
-            if not capture_id:
-                self.acc.zero_()
-                self.counters.zero_()
-                self.needs_zero = False
-            elif capture_id not in self.zeroed_in:
-                self.acc.zero_()
-                self.counters.zero_()
-                self.zeroed_in.add(capture_id)
-        return self.acc, self.counters
-
-    def buffer(self, name: str, numel: int) -> torch.Tensor:
-        t = self.scratch.get(name)
-        if t is None or t.numel() < numel:
-            t = torch.empty(numel, dtype=torch.float16, device=self.device)
-            self.scratch[name] = t
-        return t[:numel]
-
-
-_WORKSPACES: dict[tuple[int, int], _Workspace] = {}
+# ------------------------------------------------------------------------------------------------ device facts
 _SMS: dict[int, int] = {}
 _FUSED: dict[int, bool] = {}
-
-
-def _workspace(device: torch.device) -> _Workspace:
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = _WORKSPACES[key] = _Workspace(device)
-    return ws
 
 
 def _sms(device: torch.device) -> int:
@@ -272,11 +220,14 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
     bf16 = x2.dtype == torch.bfloat16
     cb = CODEBOOKS.index(codebook)
     p = _cached_plan(m, k, n, K, _sms(dev), fused_available(dev))
-    ws = _workspace(dev)
+    ws = workspace(dev)
     if p.variant == "small":
-        acc, counters = ws.small(n, C.exl3_gemm_capture_id(stream) if torch.cuda.is_current_stream_capturing() else 0)
+        # Zero between calls (the small kernel clears what it used): split-k sums and strip arrival counters.
+        cid = capture_id(dev)
+        acc = ws.zeroed("gemm_acc", M_SLICE * n, torch.float32, cid)
+        counters = ws.zeroed("gemm_counters", n // 128, torch.int32, cid)
         es = x2.element_size()
-        xh = ws.buffer("xh", m * k).data_ptr() if p.prep else 0  # the launcher writes x' there first
+        xh = ws.buffer("gemm_xh", m * k).data_ptr() if p.prep else 0  # the launcher writes x' there first
         for m0 in range(0, m, p.m_slice):
             mm = min(p.m_slice, m - m0)
             C.exl3_gemm_small(
@@ -285,17 +236,17 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
                 acc.data_ptr(), counters.data_ptr(), mm, k, n, int(K), cb, p.groups, p.chunks_per_split, p.splits,
                 bf16, stream, xh + m0 * k * 2 if xh else 0)
     elif p.variant == "fused":
-        xb = ws.buffer("xb", (m + 7) // 8 * 8 * k)
-        y = ws.buffer("y", m * n * (1 if p.splits == 1 else 2 * p.splits))  # fp16, or fp32 partials per split
+        xb = ws.buffer("gemm_xb", (m + 7) // 8 * 8 * k)
+        y = ws.buffer("gemm_y", m * n * (1 if p.splits == 1 else 2 * p.splits))  # fp16, or fp32 partials per split
         C.exl3_gemm_prep_x_blocked(x2.data_ptr(), x2.stride(0), bf16, suh.data_ptr(), m, k, xb.data_ptr(), stream)
         C.exl3_gemm_fused(xb.data_ptr(), trellis.data_ptr(), y.data_ptr(), m, k, n, int(K), cb, p.block,
                           p.chunks_per_split, p.splits, stream)
         C.exl3_gemm_epilogue(y.data_ptr(), 0 if p.splits == 1 else p.splits, svh.data_ptr(),
                              bias.data_ptr() if bias is not None else 0, m, n, out2.data_ptr(), n, bf16, stream)
     else:
-        wt = ws.buffer("w_hat_t", n * k)
-        xh = ws.buffer("xh", m * k)
-        y = ws.buffer("y", m * n)
+        wt = ws.buffer("gemm_w_hat_t", n * k)
+        xh = ws.buffer("gemm_xh", m * k)
+        y = ws.buffer("gemm_y", m * n)
         C.exl3_gemm_dequant_t(trellis.data_ptr(), k, n, int(K), cb, wt.data_ptr(), stream)
         C.exl3_gemm_prep_x(x2.data_ptr(), x2.stride(0), bf16, suh.data_ptr(), m, k, xh.data_ptr(), stream)
         torch.mm(xh.view(m, k), wt.view(n, k).t(), out=y.view(m, n))

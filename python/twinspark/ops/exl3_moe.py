@@ -6,7 +6,9 @@ The experts are in the stacked layout of ``twinspark.moe_layout`` (read its docs
 
 On a CUDA device the kernels in cuda/exl3_moe/ run: routing on the GPU (no host sync, graph capturable), then
 gate/up as a grouped EXL3 GEMM over (expert, rows) items and down with the weighted sum. Elsewhere (and with
-TWINSPARK_FORCE_REFERENCE=1) the reference in ``twinspark.reference.exl3_moe`` runs.
+TWINSPARK_FORCE_REFERENCE=1) the reference in ``twinspark.reference.exl3_moe`` runs. Per-call scratch comes from
+the caching allocator; the only state kept between calls is a small counter buffer per (device, stream) that the
+kernels leave zero (``twinspark.ops.workspace``: make the first call outside graph capture).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from twinspark import _ext
 from twinspark.exl3.reference import CODEBOOKS
 from twinspark.moe_layout import Exl3MoeExperts
+from twinspark.ops.workspace import capture_id, workspace
 from twinspark.reference import exl3_moe as _reference
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
@@ -118,9 +121,12 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index))
     C = _ext.module()
-    n_int, n_f32 = C.exl3_moe_workspace(T, top_k, hidden, inter, cfg["max_items"], cfg["splitk"])
+    n_int, n_f32 = C.exl3_moe_workspace(T, top_k, hidden, inter, cfg["max_items"], cfg["splitk"], cfg["mt"])
     ws_int = torch.empty(n_int, dtype=torch.int32, device=dev)
     ws_f32 = torch.empty(n_f32, dtype=torch.float32, device=dev)
+    # 16-row items: arrival counters that the kernels leave zero (per stream, made once; see ops.workspace)
+    act_counters = (workspace(dev).zeroed("moe_act_counters", cfg["max_items"] * (inter // 128), torch.int32,
+                                          capture_id(dev)).data_ptr() if cfg["mt"] == 1 else 0)
     xc = x.contiguous()  # the launch reads these: keep them alive until it is queued
     ids32 = ids.to(torch.int32).contiguous()
     w32 = weights.to(torch.float32).contiguous()
@@ -128,7 +134,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
         C.exl3_moe(
             xc.data_ptr(), ids32.data_ptr(), w32.data_ptr(), trellis.data_ptr(), offsets.data_ptr(),
             words.data_ptr(), suh13.data_ptr(), svh13.data_ptr(), suh2.data_ptr(), svh2.data_ptr(),
-            ws_int.data_ptr(), ws_f32.data_ptr(), out.data_ptr(),
+            ws_int.data_ptr(), ws_f32.data_ptr(), act_counters, out.data_ptr(),
             T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
             cfg["mt"], cfg["splitk"], cfg["max_items"], cfg["fuse_convert"], cfg["small_route"], _ext.stream_ptr(dev),
