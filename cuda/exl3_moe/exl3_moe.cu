@@ -143,7 +143,8 @@ bool valid_args(const Exl3MoeArgs& a) {
          a.max_items >= 1 && a.max_words >= 16 && a.max_words <= 128 && a.codebook >= 0 && a.codebook <= 2 &&
          (!a.small_route || (a.mt == 1 && static_cast<long>(a.T) * a.topk <= 64)) &&
          // every k-split part is non-empty (each writes partial sums the down kernel reads)
-         (a.splitk - 1) * ((a.H / 128 + a.splitk - 1) / a.splitk) < a.H / 128 && (a.mt != 1 || a.act_counters);
+         (a.splitk - 1) * ((a.H / 128 + a.splitk - 1) / a.splitk) < a.H / 128 && (a.mt != 1 || a.act_counters) &&
+         (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3);
 }
 
 }  // namespace
@@ -215,6 +216,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.x_bf16 = a.x_bf16;
   gp.splitk = a.splitk;
   gp.fuse_convert = a.fuse_convert;
+  gp.down_min_blocks = a.down_min_blocks;
 
   auto gemm = [&](bool down) {
     return exl3::with_codebook(a.codebook, [&](auto cb) {

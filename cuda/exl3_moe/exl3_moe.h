@@ -46,6 +46,7 @@ struct Exl3MoeArgs {
   float limit;  // < 0: no clamp
   bool x_bf16;
   int mt, splitk, max_items;
+  int down_min_blocks;  // mt == 1: the down kernel sized for 2 or 3 blocks per SM
   bool fuse_convert;
   bool small_route;  // T*topk <= 64 and mt == 1: the GEMM blocks route in shared memory (no routing launch)
 };

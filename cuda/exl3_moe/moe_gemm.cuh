@@ -64,6 +64,7 @@ struct GemmParams {
   bool x_bf16;
   int splitk;
   bool fuse_convert;
+  int down_min_blocks;  // host side: the 16-row down kernel's variant, sized for 2 or 3 blocks per SM
 };
 
 // 16-row items: k-blocks of A built at once (16 rows * 272 B each). Down: 10, so an intermediate size up to 1280
@@ -517,8 +518,10 @@ __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, c
 #undef TS_MOE_RATE
 }
 
-template <int CB, int MT, bool DOWN>
-__global__ void __launch_bounds__(kThreads, MT == 1 && !DOWN ? 3 : 2) moe_gemm_kernel(GemmParams p) {
+// MINB: blocks per SM the registers are sized for. Gate/up of 16-row items 3 (80 registers); down of 16-row items 2
+// (104 registers) or 3 (80), chosen by the plan (python: plan_launch); 64-row items 2.
+template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2>
+__global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
   const int item = blockIdx.x;
@@ -594,10 +597,10 @@ __global__ void __launch_bounds__(kThreads, MT == 1 && !DOWN ? 3 : 2) moe_gemm_k
 template <int CB>
 cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, cudaStream_t stream);
 
-template <int CB, int MT, bool DOWN>
+template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2>
 cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaStream_t stream) {
   const size_t smem = gemm_smem_bytes(MT, DOWN, max_words);
-  auto kernel = moe_gemm_kernel<CB, MT, DOWN>;
+  auto kernel = moe_gemm_kernel<CB, MT, DOWN, MINB>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -612,8 +615,9 @@ cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaSt
 template <int CB>
 cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, cudaStream_t stream) {
   if (mt == 1) {
-    return down ? launch_one<CB, 1, true>(p, max_items, max_words, stream)
-                : launch_one<CB, 1, false>(p, max_items, max_words, stream);
+    if (!down) return launch_one<CB, 1, false>(p, max_items, max_words, stream);
+    return p.down_min_blocks == 3 ? launch_one<CB, 1, true, 3>(p, max_items, max_words, stream)
+                                  : launch_one<CB, 1, true, 2>(p, max_items, max_words, stream);
   }
   if (mt == 4) {
     return down ? launch_one<CB, 4, true>(p, max_items, max_words, stream)

@@ -106,7 +106,12 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     if decode and forced:
         splitk = max(1, min(kblocks, int(forced)))
     splitk = -(-kblocks // -(-kblocks // splitk))  # no empty part: every part writes its partial sums
-    return dict(mt=mt, splitk=splitk, max_items=max_items, fuse_convert=decode, small_route=decode)
+    # The 16-row down kernel: 3 blocks per SM (80 registers) once its grid is more than 2 per SM, else 2 (104).
+    # H200, 2026-12-01 (exl3_moe_v12_act / v13_down3 logs): 3 per SM is 3-5% faster at T=4 and T=8, but 5-10%
+    # slower at T=1 (240 blocks): the extra room lets the down blocks pile onto the SMs that finish gate/up first.
+    down_min_blocks = 3 if max_items * (hidden // 128) > 2 * sms else 2
+    return dict(mt=mt, splitk=splitk, max_items=max_items, fuse_convert=decode, small_route=decode,
+                down_min_blocks=down_min_blocks)
 
 
 def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
@@ -137,7 +142,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             ws_int.data_ptr(), ws_f32.data_ptr(), act_counters, out.data_ptr(),
             T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
-            cfg["mt"], cfg["splitk"], cfg["max_items"], cfg["fuse_convert"], cfg["small_route"], _ext.stream_ptr(dev),
+            cfg["mt"], cfg["splitk"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"], cfg["small_route"], _ext.stream_ptr(dev),
         )
     return out
 
