@@ -14,10 +14,10 @@
 // The rate of each expert is read on the device (experts may differ in K); one switch per block picks the decode
 // template.
 // - MT = 1 (decode, 16-row items): A of up to chunk_kb (8 gate/up, 10 down) k-blocks is built or copied at once
-//   (one memory round trip), the trellis streams through a kStages cp.async ring, and the tile is the mma A operand
-//   (W_hat^T) against 8 rows of x' (one mma per tile while the item has <= 8 rows). Shared memory: chunk_kb * 16 * 136
-//   fp16
-//   + kStages * 64 tiles * max_words int16 = 34 (42.5 down) + 12 KB at K = 2, + 48 KB at K = 8.
+//   (one memory round trip), the trellis streams through a kStages cp.async ring, and the tile is the mma A
+//   operand (W_hat^T) against 8 rows of x' (one mma per tile while the item has <= 8 rows). Shared memory:
+//   chunk_kb * 16 * 136 fp16 + kStages * 64 tiles * max_words int16 = 34 (42.5 down) + 12 KB at K = 2, + 48 KB
+//   at K = 8.
 // - MT = 4 (prefill, 64-row items): A and the tiles of the next k-block are built/staged while this one is
 //   multiplied (double buffers); the tile is the mma B operand against 4 groups of 16 rows. 2 * 64 * 136 fp16 +
 //   2 * 64 tiles * max_words int16 = 67 KB at K = 8.
@@ -369,8 +369,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
 
   if constexpr (MT == 1) {
     // 16-row items (decode): A of up to kChunkKb k-blocks is built (gate/up) or copied (down) at once (one memory
-    // round trip per chunk) and
-    // the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while one is multiplied).
+    // round trip per chunk) and the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while
+    // one is multiplied).
     // Items of <= 8 rows (most decode items) read only rows 0-7 of A: their k-blocks are 8 rows apart, so twice
     // as many fit in the chunk (gate/up at 3 k-split parts: 14 k-blocks, one A build instead of two).
     constexpr int kChunkKb = chunk_kb(DOWN);
@@ -383,7 +383,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
       if (s < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
       cp_async_commit();
     }
-    if constexpr (DOWN) pdl_wait();  // the weights are on their way; A reads the gate/up kernel's sums
+    if constexpr (DOWN) pdl_wait();  // the weights are on their way; A is what the gate/up kernel made
     for (int c0 = 0; c0 < nkb; c0 += chunk) {
       const int cn = min(chunk, nkb - c0);
       if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A

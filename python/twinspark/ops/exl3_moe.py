@@ -88,7 +88,8 @@ def _sm_count(index: int) -> int:
 
 def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int) -> dict:
     """Kernel configuration from shapes only (never from device data): rows per item (16 * mt), gate/up split-k,
-    the bound on items the grids cover, and whether the down kernel converts the output itself."""
+    the bound on items the grids cover, whether the down kernel converts the output itself, and the blocks per SM
+    the 16-row down kernel is sized for."""
     pairs = T * top_k
     decode = pairs <= DECODE_MAX_PAIRS
     # 64-row items once experts average more than 16 rows (prefill); 16-row items otherwise and always in decode
@@ -142,7 +143,8 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             ws_int.data_ptr(), ws_f32.data_ptr(), act_counters, out.data_ptr(),
             T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
-            cfg["mt"], cfg["splitk"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"], cfg["small_route"], _ext.stream_ptr(dev),
+            cfg["mt"], cfg["splitk"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
+            cfg["small_route"], _ext.stream_ptr(dev),
         )
     return out
 
