@@ -29,32 +29,6 @@ KS = (2, 3, 4)
 MS = (1, 4, 16, 64, 256, 1024)
 CROSSOVER_MS = (32, 128)  # every variant timed here to place LARGE_M (and fused vs large at m >= 256)
 
-# ---------------------------------------------------------------------------------------------- GB10 model
-GB10_BW = 273e9  # bytes/s, LPDDR5x peak (the issue's number)
-GB10_BW_FRACTION = 0.85  # assumed achievable fraction of peak for a streaming read (not measured here)
-GB10_SMS, GB10_CLOCK = 48, 2.4e9  # assumed SM clock under load (not measured here)
-H200_SMS, H200_CLOCK = 132, 1.98e9  # measured clock under load (KINDS.md)
-GB10_LAUNCH_US = 4.0  # fixed cost per call (launch + prologue + split-k tail), assumed ~2x the H200's
-
-
-def predict_gb10_us(nbytes: float, h200_us: float, h200_copy_gbps: float, h200_launch_us: float = 2.0) -> dict:
-    """Predict GB10 time of one call from the bytes it moves and what the H200 run showed.
-
-    naive:   bytes / (273 GB/s x the fraction of the copy ceiling the kernel reached on the H200)
-             (assumes the kernel stays as far from bandwidth as it is on the H200: pessimistic when the H200 run
-             was decode- or latency-bound, which it is at these sizes).
-    bounded: max(bandwidth floor = bytes / (273 GB/s x 0.85), decode work = the H200 time above its own
-             bandwidth floor and launch cost, scaled by SM throughput 132 x 1.98 GHz -> 48 x 2.4 GHz) + launch.
-    Returns {"naive_us", "bounded_us", "bw_floor_us", "decode_us"}."""
-    eff = (nbytes / (h200_us * 1e-6)) / (h200_copy_gbps * 1e9)
-    naive = nbytes / (GB10_BW * eff) * 1e6
-    bw_floor = nbytes / (GB10_BW * GB10_BW_FRACTION) * 1e6
-    h200_work = max(0.0, h200_us - h200_launch_us - nbytes / (h200_copy_gbps * 1e9) * 1e6)
-    decode = h200_work * (H200_SMS * H200_CLOCK) / (GB10_SMS * GB10_CLOCK)
-    return {"naive_us": naive, "bounded_us": max(bw_floor, decode) + GB10_LAUNCH_US, "bw_floor_us": bw_floor,
-            "decode_us": decode}
-
-
 # ---------------------------------------------------------------------------------------------------- timing
 CODEBOOK = "mul1"  # the anchors' codebook; --codebook times another one (their decoders differ in cost)
 
@@ -152,7 +126,7 @@ def main(argv=None) -> int:
                     an = anchors.gemm(k=k, n=n, K=K, m=m)
                     d = dense.get((k, n, m))
                     main_rec = var == chosen and m in ms
-                    g = predict_gb10_us(nbytes, t.median_us, copy)
+                    g = bk.predict_gb10_us(nbytes, t.median_us, copy)
                     rec = bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": K, "m": m}, timing=t, bytes=nbytes,
                                     flops=2 * m * k * n, anchor_us=an.upstream_us if an else None, dense_us=d,
                                     variant=var if main_rec else f"{var} (crossover)",

@@ -32,7 +32,6 @@ KS = (2, 3, 4)
 TS = (1, 2, 4, 8, 32, 512, 2048)
 RING = 32  # routings per case
 
-GB10_BW = 273e9  # bytes/s: LPDDR5x peak (the issue's number)
 GB10_PUBLISHED_GBPS = 208.0  # the best published hand-tuned EXL3 MoE kernel on GB10 (issue 4)
 
 
@@ -140,16 +139,6 @@ def sweep(dev, gen) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def gb10_prediction(nbytes: float, us: float, copy_gbps: float) -> dict:
-    """GB10 µs from bytes: the 273 GB/s floor, and that floor divided by the fraction of the copy ceiling this
-    kernel reached on the H200 (assumes it stays as far from bandwidth on GB10; pessimistic where the H200 run is
-    decode- or latency-bound). Also the GB/s that prediction means, to compare with the published 208 GB/s."""
-    eff = bk.gbps(nbytes, us) / copy_gbps
-    floor_us = nbytes / GB10_BW * 1e6
-    pred_us = floor_us / eff if eff > 0 else float("inf")
-    return {"floor_us": floor_us, "efficiency": eff, "pred_us": pred_us, "pred_gbps": nbytes / pred_us / 1e3}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="K=3 and T in {1, 4, 512} only (a smoke run)")
@@ -201,11 +190,13 @@ def main(argv=None) -> int:
                 records.append(bk.Record(op="exl3_moe", shape=dict(rec.shape), timing=tb, bytes=int(nbytes),
                                          variant="reconstruct+torch.mm"))
                 line += f"  baseline {tb.median_us:9.1f} us (x{tb.median_us / t.median_us:.2f})"
-            pred = gb10_prediction(nbytes, t.median_us, copy)
+            pred = bk.predict_gb10_us(nbytes, t.median_us, copy, launches=2)  # gate/up and down
+            rec.notes += f"; gb10_bounded_us={pred['bounded_us']:.1f} gb10_naive_us={pred['naive_us']:.1f}"
             if T == 1:
-                line += (f"\n    GB10 T=1: floor {pred['floor_us']:.1f} us at 273 GB/s; at this run's efficiency "
-                         f"({pred['efficiency']:.1%} of copy) {pred['pred_us']:.1f} us = {pred['pred_gbps']:.0f} GB/s "
-                         f"vs published {GB10_PUBLISHED_GBPS:.0f} GB/s")
+                line += (f"\n    GB10 T=1 (benchkit.predict_gb10_us): bounded {pred['bounded_us']:.1f} us = "
+                         f"{bk.gbps(nbytes, pred['bounded_us']):.0f} GB/s (bandwidth floor {pred['bw_floor_us']:.1f}, "
+                         f"decode {pred['decode_us']:.1f}); naive {pred['naive_us']:.1f} us = "
+                         f"{bk.gbps(nbytes, pred['naive_us']):.0f} GB/s; published {GB10_PUBLISHED_GBPS:.0f} GB/s")
             print(line, flush=True)
             summary.append((K, T, t.median_us, pred))
         del ex, base

@@ -288,3 +288,18 @@ def test_run_end_to_end_on_gpu(tmp_path):
     assert "## mm" in (out / "report.md").read_text() and (out / "report.png").is_file()
     assert run.main(["--bench-dir", str(tmp_path), "--out-dir", str(out), "broken"]) == 1
     assert "bench_broken.py (exit status 3)" in (out / "report.md").read_text()
+
+
+def test_predict_gb10_us_takes_the_larger_floor():
+    """Bandwidth-bound on the H200 (time = its copy time + launch): GB10 is its bandwidth floor + launch.
+    Decode-bound (time far above the copy time): the H200's extra time scaled by SM throughput + launch."""
+    nbytes, copy = 20e6, 4000.0  # 20 MB at 4000 GB/s: 5 us of copy on the H200
+    p = bk.predict_gb10_us(nbytes, 5.0 + bk.H200_LAUNCH_US, copy)
+    floor = nbytes / (bk.GB10_BW * bk.GB10_BW_FRACTION) * 1e6
+    assert p["bw_floor_us"] == pytest.approx(floor) and p["decode_us"] == pytest.approx(0.0, abs=1e-9)
+    assert p["bounded_us"] == pytest.approx(floor + bk.GB10_LAUNCH_US)
+    scale = (bk.H200_SMS * bk.H200_CLOCK) / (bk.GB10_SMS * bk.GB10_CLOCK)
+    q = bk.predict_gb10_us(nbytes, 200.0, copy, launches=2)
+    assert q["decode_us"] == pytest.approx((200.0 - 2 * bk.H200_LAUNCH_US - 5.0) * scale)
+    assert q["decode_us"] > floor and q["bounded_us"] == pytest.approx(q["decode_us"] + 2 * bk.GB10_LAUNCH_US)
+    assert q["naive_us"] == pytest.approx(nbytes / (bk.GB10_BW * (nbytes / 200e-6 / (copy * 1e9))) * 1e6)

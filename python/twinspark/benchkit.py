@@ -236,6 +236,34 @@ def rotate(
     return ring
 
 
+# --------------------------------------------------------------------------------------------------- GB10 model
+GB10_BW = 273e9  # bytes/s, LPDDR5x peak (the issues' number)
+GB10_BW_FRACTION = 0.85  # assumed achievable fraction of peak for a streaming read (not measured here)
+GB10_SMS, GB10_CLOCK = 48, 2.4e9  # assumed SM clock under load (not measured here)
+H200_SMS, H200_CLOCK = 132, 1.98e9  # measured clock under load (KINDS.md)
+GB10_LAUNCH_US = 4.0  # fixed cost per kernel (launch + prologue + tail), assumed ~2x the H200's
+H200_LAUNCH_US = 2.0
+
+
+def predict_gb10_us(nbytes: float, h200_us: float, h200_copy_gbps: float, launches: int = 1) -> dict:
+    """Predict the GB10 time of one call (``launches`` kernels) from the bytes it moves and its H200 time.
+
+    naive:   bytes / (273 GB/s x the fraction of the copy ceiling the call reached on the H200)
+             (assumes it stays as far from bandwidth as on the H200: pessimistic when the H200 run was decode- or
+             latency-bound).
+    bounded: max(bandwidth floor = bytes / (273 GB/s x 0.85), decode work = the H200 time above its own bandwidth
+             floor and launch costs, scaled by SM throughput 132 x 1.98 GHz -> 48 x 2.4 GHz) + launch costs.
+    Returns {"naive_us", "bounded_us", "bw_floor_us", "decode_us"}; the assumptions are GB10_* above (not
+    measured: replace them with a Spark's numbers)."""
+    eff = (nbytes / (h200_us * 1e-6)) / (h200_copy_gbps * 1e9)
+    naive = nbytes / (GB10_BW * eff) * 1e6
+    bw_floor = nbytes / (GB10_BW * GB10_BW_FRACTION) * 1e6
+    h200_work = max(0.0, h200_us - launches * H200_LAUNCH_US - nbytes / (h200_copy_gbps * 1e9) * 1e6)
+    decode = h200_work * (H200_SMS * H200_CLOCK) / (GB10_SMS * GB10_CLOCK)
+    return {"naive_us": naive, "bounded_us": max(bw_floor, decode) + launches * GB10_LAUNCH_US,
+            "bw_floor_us": bw_floor, "decode_us": decode}
+
+
 # --------------------------------------------------------------------------------------------------- ceilings
 def gbps(nbytes: float, us: float) -> float:
     """Bytes moved in ``us`` microseconds -> GB/s (10^9 bytes per second)."""
