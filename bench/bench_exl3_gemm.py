@@ -30,14 +30,13 @@ MS = (1, 4, 16, 64, 256, 1024)
 CROSSOVER_MS = (32, 128)  # every variant timed here to place LARGE_M (and fused vs large at m >= 256)
 
 # ---------------------------------------------------------------------------------------------------- timing
-CODEBOOK = "mul1"  # the anchors' codebook; --codebook times another one (their decoders differ in cost)
-
-
-def _layers(k, n, K, dev, gen):
-    base = random_layer(k, n, K, CODEBOOK, generator=gen, device=dev)
+def _layers(k, n, K, dev, gen, codebook="mul1"):
+    """Copies of one random layer (distinct trellis, shared scales) rotated L2-cold. mul1 is the anchors' codebook;
+    --codebook times another (their decoders differ in cost)."""
+    base = random_layer(k, n, K, codebook, generator=gen, device=dev)
     shape = (k // 16, n // 16, 16 * K)  # random int16 words are valid trellis data (made on the GPU: fast)
     ring = bk.rotate(lambda: (torch.randint(-32768, 32768, shape, dtype=torch.int16, device=dev),))
-    return [Exl3Layer(t, base.suh, base.svh, float(K), CODEBOOK) for (t,) in ring], ring.bytes_per_set
+    return [Exl3Layer(t, base.suh, base.svh, float(K), codebook) for (t,) in ring], ring.bytes_per_set
 
 
 @contextlib.contextmanager
@@ -86,8 +85,6 @@ def main(argv=None) -> int:
     ap.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mul1",
                     help="codebook of the timed layers (default mul1, as the upstream anchors)")
     a = ap.parse_args(argv)
-    global CODEBOOK
-    CODEBOOK = a.codebook
     if not torch.cuda.is_available():
         print("bench_exl3_gemm: no CUDA GPU visible; run it on a GPU machine", file=sys.stderr)
         return 2
@@ -108,7 +105,7 @@ def main(argv=None) -> int:
     print(hdr, flush=True)
     for k, n in SHAPES:
         for K in ks:
-            layers, tbytes = _layers(k, n, K, dev, gen)
+            layers, tbytes = _layers(k, n, K, dev, gen, a.codebook)
             for m in sorted(set(ms) | (set(CROSSOVER_MS) if not (a.quick or a.ms) else set())):
                 x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
                 out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
@@ -154,14 +151,14 @@ def main(argv=None) -> int:
                 "upstream and dense numbers stay eager):"] + summarize(graph_records)
     print("\n" + "\n".join(summary), flush=True)
     if not (a.quick or a.no_sweep):
-        records += sweep_split(dev, gen, copy)
+        records += sweep_split(dev, gen, copy, a.codebook)
     path = bk.write_results("exl3_gemm", records, ceilings={"copy_gbps": copy})
     png = plot(main_records, path.with_name("exl3_gemm.png"))
     print(f"wrote {path} and {png}")
     return 0
 
 
-def sweep_split(dev, gen, copy) -> list[bk.Record]:
+def sweep_split(dev, gen, copy, codebook="mul1") -> list[bk.Record]:
     """K=2: time vs the split-k target (blocks per SM) at m=1 and 64 — the table's BLOCKS_PER_SM comes from
     this — and with x' made per strip vs by the prep kernel at m=16, 32, 64 (PREP_GROUPS)."""
     og = sys.modules["twinspark.ops.exl3_gemm"]  # (the package attribute of that name is the function)
@@ -171,7 +168,7 @@ def sweep_split(dev, gen, copy) -> list[bk.Record]:
     print("\nsplit-k sweep, K=2 (blocks per SM target: eager us / graph us)", flush=True)
     try:
         for k, n in SHAPES:
-            layers, tbytes = _layers(k, n, 2, dev, gen)
+            layers, tbytes = _layers(k, n, 2, dev, gen, codebook)
             for m in (1, 64):
                 x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
                 out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
