@@ -68,7 +68,7 @@ def test_opcheck(gen):
 @pytest.mark.parametrize("fused", [False, True])
 def test_plan_table_is_consistent(fused):
     """Every split covers >= 1 chunk, all chunks are covered, token groups hold the slice; prefill goes to the
-    fused kernel where it runs (sm_90) up to FUSED_MAX_M and to the dequantize path above and elsewhere."""
+    fused kernel where it runs (sm_90) up to FUSED_MAX_M and to the large path above and elsewhere."""
     for m in (1, 7, 8, 9, 16, 33, 63, 64, 65, 128, 129, 4096):
         for k, n in ANCHOR_SHAPES + AWKWARD_SHAPES:
             p = plan(m, k, n, 3, sms=132, fused=fused)

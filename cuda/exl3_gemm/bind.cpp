@@ -46,26 +46,17 @@ void bind_exl3_gemm(py::module_& m) {
       },
       py::arg("stream"), "id of the stream's active graph capture, 0 when it is not capturing");
   m.def(
-      "exl3_gemm_dequant_t",
-      [](std::uintptr_t trellis, int k, int n, int K, int codebook, std::uintptr_t wt, std::uintptr_t stream) {
+      "exl3_gemm_dequant_w",
+      [](std::uintptr_t trellis, std::uintptr_t suh, std::uintptr_t svh, int k, int n, int K, int codebook, bool bf16,
+         std::uintptr_t w, std::uintptr_t stream) {
         twinspark::check_launch(
-            twinspark::exl3_gemm_dequant_t(twinspark::ptr<const int16_t>(trellis), k, n, K, codebook,
-                                           twinspark::ptr<void>(wt), twinspark::stream(stream)),
-            "exl3_gemm (dequant)");
+            twinspark::exl3_gemm_dequant_w(twinspark::ptr<const int16_t>(trellis), twinspark::ptr<const void>(suh),
+                                           twinspark::ptr<const void>(svh), k, n, K, codebook, bf16,
+                                           twinspark::ptr<void>(w), twinspark::stream(stream)),
+            "exl3_gemm (dequant_w)");
       },
-      py::arg("trellis"), py::arg("k"), py::arg("n"), py::arg("K"), py::arg("codebook"), py::arg("wt"),
-      py::arg("stream"));
-  m.def(
-      "exl3_gemm_prep_x",
-      [](std::uintptr_t x, long x_stride, bool bf16, std::uintptr_t suh, int m, int k, std::uintptr_t xh,
-         std::uintptr_t stream) {
-        twinspark::check_launch(
-            twinspark::exl3_gemm_prep_x(twinspark::ptr<const void>(x), x_stride, bf16, twinspark::ptr<const void>(suh),
-                                        m, k, twinspark::ptr<void>(xh), twinspark::stream(stream)),
-            "exl3_gemm (prep_x)");
-      },
-      py::arg("x"), py::arg("x_stride"), py::arg("bf16"), py::arg("suh"), py::arg("m"), py::arg("k"), py::arg("xh"),
-      py::arg("stream"));
+      py::arg("trellis"), py::arg("suh"), py::arg("svh"), py::arg("k"), py::arg("n"), py::arg("K"), py::arg("codebook"),
+      py::arg("bf16"), py::arg("w"), py::arg("stream"));
   m.def(
       "exl3_gemm_prep_x_blocked",
       [](std::uintptr_t x, long x_stride, bool bf16, std::uintptr_t suh, int m, int k, std::uintptr_t xb,

@@ -101,27 +101,27 @@ cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int
   }
 }
 
-cudaError_t exl3_gemm_dequant_t(const int16_t* trellis, int k, int n, int K, int codebook, void* wt,
-                                cudaStream_t stream) {
+cudaError_t exl3_gemm_dequant_w(const int16_t* trellis, const void* suh, const void* svh, int k, int n, int K,
+                                int codebook, bool bf16, void* w, cudaStream_t stream) {
   if (k % 128 || n % 128 || k <= 0 || n <= 0) return cudaErrorInvalidValue;
   const int tk = k / 16, tn = n / 16;
   switch (K) {
     case 1:
-      return exl3_gemm_dequant_t_k1(trellis, tk, tn, codebook, wt, stream);
+      return exl3_gemm_dequant_w_k1(trellis, suh, svh, tk, tn, codebook, bf16, w, stream);
     case 2:
-      return exl3_gemm_dequant_t_k2(trellis, tk, tn, codebook, wt, stream);
+      return exl3_gemm_dequant_w_k2(trellis, suh, svh, tk, tn, codebook, bf16, w, stream);
     case 3:
-      return exl3_gemm_dequant_t_k3(trellis, tk, tn, codebook, wt, stream);
+      return exl3_gemm_dequant_w_k3(trellis, suh, svh, tk, tn, codebook, bf16, w, stream);
     case 4:
-      return exl3_gemm_dequant_t_k4(trellis, tk, tn, codebook, wt, stream);
+      return exl3_gemm_dequant_w_k4(trellis, suh, svh, tk, tn, codebook, bf16, w, stream);
     case 5:
-      return exl3_gemm_dequant_t_k5(trellis, tk, tn, codebook, wt, stream);
+      return exl3_gemm_dequant_w_k5(trellis, suh, svh, tk, tn, codebook, bf16, w, stream);
     case 6:
-      return exl3_gemm_dequant_t_k6(trellis, tk, tn, codebook, wt, stream);
+      return exl3_gemm_dequant_w_k6(trellis, suh, svh, tk, tn, codebook, bf16, w, stream);
     case 7:
-      return exl3_gemm_dequant_t_k7(trellis, tk, tn, codebook, wt, stream);
+      return exl3_gemm_dequant_w_k7(trellis, suh, svh, tk, tn, codebook, bf16, w, stream);
     case 8:
-      return exl3_gemm_dequant_t_k8(trellis, tk, tn, codebook, wt, stream);
+      return exl3_gemm_dequant_w_k8(trellis, suh, svh, tk, tn, codebook, bf16, w, stream);
     default:
       return cudaErrorInvalidValue;
   }

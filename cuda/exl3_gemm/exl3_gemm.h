@@ -56,10 +56,10 @@ cudaError_t exl3_gemm_fused(const Exl3GemmFusedArgs& a, int K, int codebook, int
 cudaError_t exl3_gemm_prep_x_blocked(const void* x, long x_stride, bool bf16, const void* suh, int m, int k, void* xb,
                                      cudaStream_t stream);
 
-// Large-m helpers of the dequantize path (the GEMM itself is a dense fp16 matmul on W_hat):
-// wt[n, k] fp16 = W_hat^T (bit-exact), trellis as above (k, n multiples of 128).
-cudaError_t exl3_gemm_dequant_t(const int16_t* trellis, int k, int n, int K, int codebook, void* wt,
-                                cudaStream_t stream);
+// Large-m path, folded (the GEMM itself is one dense matmul y = x @ W): w[k, n] row-major in x's dtype (bf16 or
+// fp16) = diag(suh) Hk W_hat Hn diag(svh); trellis as above (k, n multiples of 128), suh [k] and svh [n] fp16.
+cudaError_t exl3_gemm_dequant_w(const int16_t* trellis, const void* suh, const void* svh, int k, int n, int K,
+                                int codebook, bool bf16, void* w, cudaStream_t stream);
 // xh[m, k] fp16 = fp16(Hk(x ⊙ suh)); x as above, xh contiguous.
 cudaError_t exl3_gemm_prep_x(const void* x, long x_stride, bool bf16, const void* suh, int m, int k, void* xh,
                              cudaStream_t stream);
@@ -73,10 +73,10 @@ cudaError_t exl3_gemm_epilogue(const void* y, int splits, const void* svh, const
 cudaError_t exl3_gemm_capture_id(cudaStream_t stream, unsigned long long* id);
 
 // One launcher per whole rate, each in its own translation unit (exl3_gemm_k<K>.cu).
-#define TWINSPARK_EXL3_GEMM_DECLARE(K)                                                                           \
-  cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream);   \
-  cudaError_t exl3_gemm_dequant_t_k##K(const int16_t* trellis, int tiles_k, int tiles_n, int codebook, void* wt, \
-                                       cudaStream_t stream);                                                     \
+#define TWINSPARK_EXL3_GEMM_DECLARE(K)                                                                         \
+  cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream); \
+  cudaError_t exl3_gemm_dequant_w_k##K(const int16_t* trellis, const void* suh, const void* svh, int tiles_k,  \
+                                       int tiles_n, int codebook, bool bf16, void* w, cudaStream_t stream);    \
   cudaError_t exl3_gemm_fused_k##K(const Exl3GemmFusedArgs& a, int codebook, int block, cudaStream_t stream);
 TWINSPARK_EXL3_GEMM_DECLARE(1)
 TWINSPARK_EXL3_GEMM_DECLARE(2)

@@ -320,58 +320,148 @@ cudaError_t launch_small(const Exl3GemmSmallArgs& a, cudaStream_t stream) {
                     a);
 }
 
-// Large-m path: W_hat^T fp16 [n, k] (the nn.Linear layout a dense matmul reads as B^T). A warp owns 8 tiles
-// along k of one 16-column tile (an [16 n, 128 k] block of W_hat^T): it loads all 8 tiles' words first (24 loads
-// in flight per lane instead of 3 dependent ones), decodes them with the per-lane code of the small kernel, then
-// writes the block through shared memory as 16-byte row stores (each row is 256 contiguous bytes).
-// Pair p of lane L holds rows (k) r0, r0+1 of column (n) c of its tile.
-constexpr int kDqRow = 136;  // halves per staged row (128 + 8: the 4-byte scatter spreads over the banks)
+// Large-m path, folded: the whole weight W [k, n] (row-major) in x's dtype with suh, both Hadamards and svh applied,
+// W = diag(suh) · Hk · W_hat · Hn · diag(svh), so the GEMM is one dense matmul y = x @ W (+ bias): no x' pass and
+// no epilogue pass. The 128-point transforms go through the tensor cores: with k = 16a + b (and n = 16c + d),
+// H128 = H8 ⊗ H16 (Sylvester order), so per 128 x 128 block
+//   1. warp w decodes n-tile w's 8 k-tiles (the B operands of mma.m16n8k16, decode_tile.cuh) and applies H8 over
+//      their k-tile index a with fp16 butterflies (3 x 16 HADD2/HSUB2 per lane);
+//   2. per k-tile a: H16 along k as one mma pair with A = diag(suh / 128) · H16 (built once per block in shared
+//      memory), fp32 accumulators; those, packed to fp16, are the A operand of the next product (the C layout of
+//      two n8 halves is the A layout of one k16 step), H16 along n with B = H16;
+//   3. the block's 128 x 128 result goes to shared memory in fp16; each thread then reads one row's 8 n-tiles
+//      (16-byte loads), applies H8 over the n-tile index c, multiplies by svh and writes 16-byte stores.
+// ~11 instructions per weight (the decode ~5, the butterflies 3, mma operand packing and the exchange 3), against
+// ~24 for the same fold with warp-shuffle Hadamards (NOTES.md v7). Rounding: fp16 butterflies and fp16 operands
+// of the second product, ~6.5e-4 relative L2 of W in fp16 (an fp16 rounding alone is ~2e-4); bf16 output adds
+// its own rounding (~1.8e-3 in all).
+constexpr int kDwRow = 136;  // halves per staged row: 68 words, so both the fragment scatter and the row loads
+                             // of one quarter-warp (rows r..r+7) are free of bank conflicts
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void butterfly_half2(uint32_t& a, uint32_t& b) {
+  const __half2 x = *reinterpret_cast<const __half2*>(&a), y = *reinterpret_cast<const __half2*>(&b);
+  const __half2 s = __hadd2(x, y), d = __hsub2(x, y);
+  a = *reinterpret_cast<const uint32_t*>(&s), b = *reinterpret_cast<const uint32_t*>(&d);
+}
+
+// Sylvester H16 entry as an fp16 sign: (-1)^popcount(r & c).
+__device__ __forceinline__ float h16_sign(int r, int c) { return (__popc(r & c) & 1) ? -1.f : 1.f; }
 
 template <int K, int CB>
-__global__ void __launch_bounds__(256)
-    dequant_t_kernel(const int16_t* __restrict__ trellis, int tiles_k, int tiles_n, half* __restrict__ wt) {
-  __shared__ __align__(16) half stage[8][16 * kDqRow];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long item = static_cast<long>(blockIdx.x) * 8 + warp;  // (tn, k-block of 8 tiles)
-  const int kblocks = tiles_k >> 3;
-  if (item >= static_cast<long>(kblocks) * tiles_n) return;
-  const long tn = item / kblocks, tk0 = 8 * (item - tn * kblocks);
+__global__ void __launch_bounds__(256, 4)
+    dequant_w_kernel(const int16_t* __restrict__ trellis, const half* __restrict__ suh, const half* __restrict__ svh,
+                     int tiles_k, int tiles_n, bool bf16, void* __restrict__ w) {
+  __shared__ __align__(16) uint4 afrag[8][32];  // per k-tile a: this lane's A registers of diag(suh / 128) · H16
+  __shared__ __align__(16) half stage[128 * kDwRow];
+  __shared__ __align__(16) half svs[128];  // this block's svh, for the stores (a global load right before the
+                                           // scaling stalled on its latency: ncu, NOTES.md v8)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int kb = blockIdx.x, nb = blockIdx.y;
   const exl3::LaneWindow<K> lw(lane);
-  uint32_t w[8][3];
+  uint32_t wd[8][3];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const uint32_t* t = reinterpret_cast<const uint32_t*>(trellis + ((tk0 + j) * tiles_n + tn) * 16 * K);
-    w[j][0] = __ldg(t + lw.w0), w[j][1] = __ldg(t + lw.w1), w[j][2] = __ldg(t + lw.w2);
+    const uint32_t* tp =
+        reinterpret_cast<const uint32_t*>(trellis + (static_cast<long>(8 * kb + j) * tiles_n + 8 * nb + warp) * 16 * K);
+    wd[j][0] = __ldg(tp + lw.w0), wd[j][1] = __ldg(tp + lw.w1), wd[j][2] = __ldg(tp + lw.w2);
   }
-  half* st = stage[warp];
+  if (threadIdx.x < 16) {
+    reinterpret_cast<uint4*>(svs)[threadIdx.x] = __ldg(reinterpret_cast<const uint4*>(svh + 128 * nb) + threadIdx.x);
+  }
+  {  // thread (warp = a, lane) builds afrag[a][lane]: rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9
+    constexpr float kNorm = 1.f / 128.f;  // both orthonormal transforms' 1/sqrt(128)
+    const float s0 = __half2float(suh[128 * kb + 16 * warp + g]) * kNorm;
+    const float s1 = __half2float(suh[128 * kb + 16 * warp + g + 8]) * kNorm;
+    afrag[warp][lane] = make_uint4(pack_half2(s0 * h16_sign(g, 2 * t), s0 * h16_sign(g, 2 * t + 1)),
+                                   pack_half2(s1 * h16_sign(g + 8, 2 * t), s1 * h16_sign(g + 8, 2 * t + 1)),
+                                   pack_half2(s0 * h16_sign(g, 2 * t + 8), s0 * h16_sign(g, 2 * t + 9)),
+                                   pack_half2(s1 * h16_sign(g + 8, 2 * t + 8), s1 * h16_sign(g + 8, 2 * t + 9)));
+  }
+  uint32_t hb[2][2];  // B = H16 of the n-side product, output columns 8e + g
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    uint32_t p[4];
-    exl3::decode_lane_words<K, CB>(w[j][0], w[j][1], w[j][2], lw, p);
+  for (int e = 0; e < 2; ++e) {
+    hb[e][0] = pack_half2(h16_sign(2 * t, 8 * e + g), h16_sign(2 * t + 1, 8 * e + g));
+    hb[e][1] = pack_half2(h16_sign(2 * t + 8, 8 * e + g), h16_sign(2 * t + 9, 8 * e + g));
+  }
+  uint32_t p[8][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r0 = 2 * (lane & 3) + 8 * (i & 1), c = (lane >> 2) + 8 * (i >> 1);
-      *reinterpret_cast<uint32_t*>(st + c * kDqRow + 16 * j + r0) = p[i];
+  for (int j = 0; j < 8; ++j) exl3::decode_lane_words<K, CB>(wd[j][0], wd[j][1], wd[j][2], lw, p[j]);
+#pragma unroll
+  for (int h = 1; h < 8; h <<= 1) {  // H8 over the k-tile index
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j & h) continue;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) butterfly_half2(p[j][q], p[j + h][q]);
     }
   }
-  __syncwarp();
-  const long k = static_cast<long>(tiles_k) * 16;
+  __syncthreads();  // afrag, svs
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int idx = i * 32 + lane, row = idx >> 4, chunk = idx & 15;
-    *reinterpret_cast<uint4*>(wt + (16 * tn + row) * k + 16 * tk0 + 8 * chunk) =
-        *reinterpret_cast<const uint4*>(st + row * kDqRow + 8 * chunk);
+  for (int a = 0; a < 8; ++a) {
+    const uint4 af = afrag[a][lane];
+    const uint32_t a1[4] = {af.x, af.y, af.z, af.w};
+    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_16816(c0, a1, p[a][0], p[a][1]);  // n 0-7 of the tile
+    mma_16816(c1, a1, p[a][2], p[a][3]);  // n 8-15
+    const uint32_t a2[4] = {pack_half2(c0[0], c0[1]), pack_half2(c0[2], c0[3]), pack_half2(c1[0], c1[1]),
+                            pack_half2(c1[2], c1[3])};
+    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_16816(d0, a2, hb[0][0], hb[0][1]);
+    mma_16816(d1, a2, hb[1][0], hb[1][1]);
+    half* row = stage + (16 * a + g) * kDwRow + 16 * warp + 2 * t;
+    *reinterpret_cast<uint32_t*>(row) = pack_half2(d0[0], d0[1]);
+    *reinterpret_cast<uint32_t*>(row + 8) = pack_half2(d1[0], d1[1]);
+    *reinterpret_cast<uint32_t*>(row + 8 * kDwRow) = pack_half2(d0[2], d0[3]);
+    *reinterpret_cast<uint32_t*>(row + 8 * kDwRow + 8) = pack_half2(d1[2], d1[3]);
+  }
+  __syncthreads();
+  // Row r of the block, columns 8 hh .. 8 hh + 7 of every n-tile: a quarter-warp reads 8 rows (conflict-free), a
+  // warp writes 16 rows x 32 bytes per store instruction.
+  const int r = 16 * warp + ((lane & 7) | ((lane >> 4) << 3)), hh = (lane >> 3) & 1;
+  uint4 v[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) v[c] = *reinterpret_cast<const uint4*>(stage + r * kDwRow + 16 * c + 8 * hh);
+#pragma unroll
+  for (int h = 1; h < 8; h <<= 1) {  // H8 over the n-tile index
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c & h) continue;
+      butterfly_half2(v[c].x, v[c + h].x), butterfly_half2(v[c].y, v[c + h].y);
+      butterfly_half2(v[c].z, v[c + h].z), butterfly_half2(v[c].w, v[c + h].w);
+    }
+  }
+  const long base = (128L * kb + r) * (16L * tiles_n) + 128 * nb + 8 * hh;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint4 sv = *reinterpret_cast<const uint4*>(svs + 16 * c + 8 * hh);
+    uint32_t q[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
+    const uint32_t sq[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 y = __hmul2(*reinterpret_cast<const __half2*>(&q[i]), *reinterpret_cast<const __half2*>(&sq[i]));
+      if (bf16) {
+        const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(y));
+        q[i] = *reinterpret_cast<const uint32_t*>(&b);
+      } else {
+        q[i] = *reinterpret_cast<const uint32_t*>(&y);
+      }
+    }
+    *reinterpret_cast<uint4*>(static_cast<half*>(w) + base + 16 * c) = make_uint4(q[0], q[1], q[2], q[3]);
   }
 }
 
 template <int K>
-cudaError_t launch_dequant_t_k(const int16_t* trellis, int tiles_k, int tiles_n, int codebook, void* wt,
-                               cudaStream_t stream) {
-  const long items = static_cast<long>(tiles_k / 8) * tiles_n;  // tiles_k % 8 == 0 (k % 128, checked by the caller)
-  const dim3 grid(static_cast<unsigned>((items + 7) / 8));
-  half* w = static_cast<half*>(wt);
+cudaError_t launch_dequant_w_k(const int16_t* trellis, const void* suh, const void* svh, int tiles_k, int tiles_n,
+                               int codebook, bool bf16, void* w, cudaStream_t stream) {
+  const dim3 grid(tiles_k / 8, tiles_n / 8);  // k, n multiples of 128 (checked by the caller)
   return exl3::with_codebook(codebook, [&](auto cb) {
-    dequant_t_kernel<K, decltype(cb)::value><<<grid, 256, 0, stream>>>(trellis, tiles_k, tiles_n, w);
+    dequant_w_kernel<K, decltype(cb)::value><<<grid, 256, 0, stream>>>(
+        trellis, static_cast<const half*>(suh), static_cast<const half*>(svh), tiles_k, tiles_n, bf16, w);
     return cudaGetLastError();
   });
 }
@@ -398,13 +488,13 @@ cudaError_t launch_small_k(const Exl3GemmSmallArgs& a, int codebook, int groups,
 }  // namespace exl3_gemm_detail
 }  // namespace twinspark
 
-#define TWINSPARK_EXL3_GEMM_DEFINE(K)                                                                            \
-  namespace twinspark {                                                                                          \
-  cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t s) {       \
-    return exl3_gemm_detail::launch_small_k<K>(a, codebook, groups, s);                                          \
-  }                                                                                                              \
-  cudaError_t exl3_gemm_dequant_t_k##K(const int16_t* trellis, int tiles_k, int tiles_n, int codebook, void* wt, \
-                                       cudaStream_t s) {                                                         \
-    return exl3_gemm_detail::launch_dequant_t_k<K>(trellis, tiles_k, tiles_n, codebook, wt, s);                  \
-  }                                                                                                              \
+#define TWINSPARK_EXL3_GEMM_DEFINE(K)                                                                          \
+  namespace twinspark {                                                                                        \
+  cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t s) {     \
+    return exl3_gemm_detail::launch_small_k<K>(a, codebook, groups, s);                                        \
+  }                                                                                                            \
+  cudaError_t exl3_gemm_dequant_w_k##K(const int16_t* trellis, const void* suh, const void* svh, int tiles_k,  \
+                                       int tiles_n, int codebook, bool bf16, void* w, cudaStream_t s) {        \
+    return exl3_gemm_detail::launch_dequant_w_k<K>(trellis, suh, svh, tiles_k, tiles_n, codebook, bf16, w, s); \
+  }                                                                                                            \
   }

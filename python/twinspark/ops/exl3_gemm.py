@@ -7,9 +7,9 @@ Kernel variants (the one table is `plan`; cuda/exl3_gemm/README.md says why each
 - ``fused`` (LARGE_M < m <= FUSED_MAX_M on sm_90): x' = H(x ⊙ suh) in fp16 (the swizzled layout wgmma reads),
   then one kernel decodes the trellis straight into wgmma register operands and multiplies by x' (W_hat never
   touches memory), then Hn, svh and bias in one kernel. Block shape and split-k from the same table (fused_shape).
-- ``large`` (larger m, and every m > LARGE_M off sm_90, e.g. GB10): W_hat^T decoded once into an fp16 workspace
-  (dequant_t), x' in fp16, a dense fp16 tensor-core matmul (torch.mm / cuBLAS), then Hn, svh and bias in one
-  kernel.
+- ``large`` (larger m, and every m > LARGE_M off sm_90, e.g. GB10): the whole weight W = diag(suh)·Hk·W_hat·
+  Hn·diag(svh) made once per call in x's dtype (dequant_w: decode, both Hadamards through the tensor cores, both
+  scales), then one dense matmul, torch.mm / torch.addmm with the bias (cuBLAS): no x' pass, no epilogue pass.
 
 Graph safety: no host sync, no tuning (the table is static), and the only state is the per (device, stream)
 workspace of ``twinspark.ops.workspace`` (read its docstring: make the first call outside graph capture), which
@@ -35,9 +35,9 @@ from twinspark.reference.exl3_gemm import exl3_gemm as _reference
 OP = "exl3_gemm"
 _X_DTYPES = (torch.float16, torch.bfloat16)
 M_SLICE = 64  # tokens per launch of the small-m kernel (8 groups of 8: 32 fp32 accumulators per lane)
-LARGE_M = 64  # m above this takes the fused (sm_90) or dequantize + dense matmul path (README: H200 crossover)
-# The fused kernel up to this m; above it the dequantize path (its W_hat round trip is paid once for many tokens,
-# and cuBLAS outruns the fused kernel's tensor-core use): H200, bench_exl3_gemm.py, NOTES.md v5.
+LARGE_M = 64  # m above this takes the fused (sm_90) or the large path (README: H200 crossover)
+# The fused kernel up to this m; above it the large path (its whole-weight pass is paid once for many tokens, and
+# cuBLAS outruns the fused kernel's tensor-core use): H200, bench_exl3_gemm.py, NOTES.md v5 and v8.
 FUSED_MAX_M = 512
 # split-k target per token-group count: about this many blocks per SM in one launch. H200 sweeps (graph replay,
 # K=2, bench_exl3_gemm.py; NOTES.md v4): m=1 6 blocks/SM is best or tied on all 5 anchor shapes (4096x5120 11.2
@@ -244,14 +244,16 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
         C.exl3_gemm_epilogue(y.data_ptr(), 0 if p.splits == 1 else p.splits, svh.data_ptr(),
                              bias.data_ptr() if bias is not None else 0, m, n, out2.data_ptr(), n, bf16, stream)
     else:
-        wt = ws.buffer("gemm_w_hat_t", n * k)
-        xh = ws.buffer("gemm_xh", m * k)
-        y = ws.buffer("gemm_y", m * n)
-        C.exl3_gemm_dequant_t(trellis.data_ptr(), k, n, int(K), cb, wt.data_ptr(), stream)
-        C.exl3_gemm_prep_x(x2.data_ptr(), x2.stride(0), bf16, suh.data_ptr(), m, k, xh.data_ptr(), stream)
-        torch.mm(xh.view(m, k), wt.view(n, k).t(), out=y.view(m, n))
-        C.exl3_gemm_epilogue(y.data_ptr(), 0, svh.data_ptr(), bias.data_ptr() if bias is not None else 0, m, n,
-                             out2.data_ptr(), n, bf16, stream)
+        # W with suh, both Hadamards and svh folded in, in x's dtype: the GEMM is one dense matmul (bias fused)
+        w = ws.buffer("gemm_w_bf16" if bf16 else "gemm_w_fp16", k * n, x2.dtype).view(k, n)
+        C.exl3_gemm_dequant_w(trellis.data_ptr(), suh.data_ptr(), svh.data_ptr(), k, n, int(K), cb, bf16,
+                              w.data_ptr(), stream)
+        if bias is None:
+            torch.mm(x2, w, out=out2)
+        else:
+            b = ws.buffer("gemm_bias_bf16" if bf16 else "gemm_bias_fp16", n, x2.dtype)
+            b.copy_(bias)
+            torch.addmm(b, x2, w, out=out2)
     if out2.data_ptr() != out.data_ptr():
         out.copy_(out2.view(out.shape))
 
