@@ -330,8 +330,9 @@ cudaError_t launch_small(const Exl3GemmSmallArgs& a, cudaStream_t stream) {
 //      memory), fp32 accumulators; those, packed to fp16, are the A operand of the next product (the C layout of
 //      two n8 halves is the A layout of one k16 step), H16 along n with B = H16;
 //   3. the block's 128 x 128 result goes to shared memory in fp16; each thread then reads one row's 8 n-tiles
-//      (16-byte loads), applies H8 over the n-tile index c, multiplies by svh and writes 16-byte stores.
-// ~11 instructions per weight (the decode ~5, the butterflies 3, mma operand packing and the exchange 3), against
+//      (16-byte loads), applies H8 over the n-tile index c, multiplies by svh and writes the values back in place;
+//      the 128 rows leave by the copy engine, one cp.async.bulk of 256 bytes per row.
+// ~15 SASS instructions per weight (the decode ~5, the butterflies 3, mma operand packing, the exchange), against
 // ~24 for the same fold with warp-shuffle Hadamards (NOTES.md v7). Rounding: fp16 butterflies and fp16 operands
 // of the second product, ~6.5e-4 relative L2 of W in fp16 (an fp16 rounding alone is ~2e-4); bf16 output adds
 // its own rounding (~1.8e-3 in all).
@@ -420,8 +421,7 @@ __global__ void __launch_bounds__(256, 4)
     *reinterpret_cast<uint32_t*>(row + 8 * kDwRow + 8) = pack_half2(d1[2], d1[3]);
   }
   __syncthreads();
-  // Row r of the block, columns 8 hh .. 8 hh + 7 of every n-tile: a quarter-warp reads 8 rows (conflict-free), a
-  // warp writes 16 rows x 32 bytes per store instruction.
+  // Row r of the block, columns 8 hh .. 8 hh + 7 of every n-tile: a quarter-warp reads 8 rows (conflict-free).
   const int r = 16 * warp + ((lane & 7) | ((lane >> 4) << 3)), hh = (lane >> 3) & 1;
   uint4 v[8];
 #pragma unroll
@@ -435,7 +435,6 @@ __global__ void __launch_bounds__(256, 4)
       butterfly_half2(v[c].z, v[c + h].z), butterfly_half2(v[c].w, v[c + h].w);
     }
   }
-  const long base = (128L * kb + r) * (16L * tiles_n) + 128 * nb + 8 * hh;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     const uint4 sv = *reinterpret_cast<const uint4*>(svs + 16 * c + 8 * hh);
@@ -451,7 +450,19 @@ __global__ void __launch_bounds__(256, 4)
         q[i] = *reinterpret_cast<const uint32_t*>(&y);
       }
     }
-    *reinterpret_cast<uint4*>(static_cast<half*>(w) + base + 16 * c) = make_uint4(q[0], q[1], q[2], q[3]);
+    // back in place (each thread rewrites only what it read: no barrier needed before)
+    *reinterpret_cast<uint4*>(stage + r * kDwRow + 16 * c + 8 * hh) = make_uint4(q[0], q[1], q[2], q[3]);
+  }
+  // The block's 128 rows of 256 bytes leave by the copy engine (one cp.async.bulk per row): 16-byte stores from the
+  // threads touched 16 lines per warp instruction, 87% of the kernel's L1 tag lookups (ncu, NOTES.md v8).
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes above, visible to the copy engine
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(stage + threadIdx.x * kDwRow));
+    half* dst = static_cast<half*>(w) + (128L * kb + threadIdx.x) * (16L * tiles_n) + 128 * nb;
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 256;\n" ::"l"(dst), "r"(src) : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory stays ours until read
   }
 }
 
