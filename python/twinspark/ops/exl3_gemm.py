@@ -251,8 +251,7 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
         if bias is None:
             torch.mm(x2, w, out=out2)
         else:
-            b = ws.buffer("gemm_bias_bf16" if bf16 else "gemm_bias_fp16", n, x2.dtype)
-            b.copy_(bias)
+            b = ws.buffer("gemm_bias_bf16", n, x2.dtype).copy_(bias) if bf16 else bias  # bias is fp16
             torch.addmm(b, x2, w, out=out2)
     if out2.data_ptr() != out.data_ptr():
         out.copy_(out2.view(out.shape))
