@@ -13,9 +13,11 @@
 // Pipeline: kFusedStages stages of (x' [BT, 64], trellis [4 k-tiles x the block's n-tiles]), filled by bulk copies
 // (cp.async.bulk: the async proxy, completion on one mbarrier per stage) that one thread issues. Chunk i's 4 (x S)
 // wgmmas go out as one group; while they run, each warp decodes chunk i+1 into its other A buffer, and chunk
-// i+3 is loaded into chunk i-1's stage (whose wgmmas have completed: wait_group 1, then a block barrier).
-// k may be split over gridDim.z. Output: y' (before the output Hadamard) fp16 [m, n], or fp32 partials
-// [split, m, n]; exl3_gemm_epilogue finishes both. Measured history and limits: NOTES.md v5.
+// i+3 is loaded into chunk i-1's stage once chunk i-1's wgmmas have completed (wait_group 1): signalled through
+// a per-stage "empty" mbarrier to a producer warpgroup (one-block-per-SM shapes), or by a block barrier after
+// which thread 0 issues the copies (the two-per-SM shape). k may be split over gridDim.z. Output: y' (before the
+// output Hadamard) fp16 [m, n], or fp32 partials [split, m, n]; exl3_gemm_epilogue finishes both. Measured
+// history and limits: NOTES.md v5 and v9.
 #pragma once
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -31,8 +33,22 @@
 namespace twinspark {
 namespace exl3_gemm_detail {
 
-constexpr int kFusedThreads = 256;  // 2 warpgroups
-constexpr int kKc = 64;             // k per pipeline stage: 4 wgmma k-steps
+constexpr int kFusedThreads = 256;  // 2 warpgroups of compute warps
+// One-block-per-SM shapes add a producer warpgroup (warps 8-11; one thread of it issues the bulk copies): a stage
+// is refilled once the compute warps have arrived on its "empty" barrier (their wgmmas that read it have
+// completed), so the compute warps no longer meet at a block barrier every chunk nor wait for warp 0's copy issue.
+// Registers are handed over with setmaxnreg (producer 40, compute 232; a lone 9th warp would have been allocated
+// as 4, capping every thread at 168 registers). The two-per-SM shape keeps thread 0 as the producer (its two
+// blocks have no registers to spare).
+template <int BT, int S>
+__host__ __device__ constexpr bool fused_has_producer() {
+  return BT * S != 128;
+}
+template <int BT, int S>
+__host__ __device__ constexpr int fused_threads() {
+  return kFusedThreads + (fused_has_producer<BT, S>() ? 128 : 0);
+}
+constexpr int kKc = 64;  // k per pipeline stage: 4 wgmma k-steps
 constexpr int kFusedStages = 4;
 // Block shapes (tokens BT x slabs S of 64 columns per warpgroup), as `block` ids of the launcher:
 // 0: (256, 1) = 128 columns x 256 tokens; 1: (128, 2) = 256 x 128 (both 128 fp32 accumulators per thread, one
@@ -57,6 +73,9 @@ __host__ __device__ constexpr int fused_smem_bytes() {
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -76,7 +95,9 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 }
 
 template <int K, int CB, int BT, int S>
-__global__ void __launch_bounds__(kFusedThreads, BT* S == 128 ? 2 : 1) fused_kernel(const Exl3GemmFusedArgs a) {
+__global__ void __launch_bounds__(fused_threads<BT, S>(), BT* S == 128 ? 2 : 1)
+    fused_kernel(const Exl3GemmFusedArgs a) {
+  constexpr bool kProducer = fused_has_producer<BT, S>();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kXBytes = fused_x_bytes<BT>(), kStageBytes = fused_stage_bytes<K, BT, S>();
   constexpr int kStripTiles = 8 * S;                 // n-tiles per block
@@ -93,9 +114,11 @@ __global__ void __launch_bounds__(kFusedThreads, BT* S == 128 ? 2 : 1) fused_ker
   const int g0 = ttile * (BT / 8);
   const char* xb = static_cast<const char*>(a.xb);  // [k/64][groups][1 KB]
 
-  __shared__ __align__(8) uint64_t full[kFusedStages];
+  __shared__ __align__(8) uint64_t full[kFusedStages], empty[kFusedStages];
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  const uint32_t empty0 = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
+  const bool loader = threadIdx.x == (kProducer ? kFusedThreads : 0);
   // One thread fills a stage: x' of the token tile (groups past m are not copied: those wgmma columns hold stale
   // data and are never stored), then the k-tile rows of the block's real n-tiles.
   const int tile_groups = min(BT / 8, groups - g0);
@@ -120,19 +143,37 @@ __global__ void __launch_bounds__(kFusedThreads, BT* S == 128 ? 2 : 1) fused_ker
   };
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kFusedStages; ++s) mbar_init(bar0 + 8 * s, 1);
+    for (int s = 0; s < kFusedStages; ++s) {
+      mbar_init(bar0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 4 * S < strip_tiles ? 8 : 4);  // the warps of the active compute warpgroups
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   // Launched with launch_pdl after the x' prep kernel (common/pdl.cuh): the first stages' weights are fetched
   // before waiting for it, their x' after. The epilogue kernel may launch once every block has started.
   pdl_launch_dependents();
-  if (threadIdx.x == 0) {
+  if (loader) {
     for (int s = 0; s < kFusedStages - 1 && s < nchunks; ++s) load_weights(c0 + s, s);
   }
   pdl_wait();
-  if (threadIdx.x == 0) {
+  if (loader) {
     for (int s = 0; s < kFusedStages - 1 && s < nchunks; ++s) load_x(c0 + s, s);
+  }
+  if constexpr (kProducer) {
+    // The producer warpgroup: chunk i goes into stage i % kFusedStages once chunk i - kFusedStages, which used it,
+    // has been released by the compute warps.
+    if (threadIdx.x >= kFusedThreads) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+      if (loader) {
+        for (int i = kFusedStages - 1; i < nchunks; ++i) {
+          if (i >= kFusedStages) mbar_wait(empty0 + 8 * (i % kFusedStages), (i / kFusedStages - 1) & 1);
+          load_stage(c0 + i, i % kFusedStages);
+        }
+      }
+      return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   }
 
   float acc[S][BT / 2];
@@ -188,9 +229,13 @@ __global__ void __launch_bounds__(kFusedThreads, BT* S == 128 ? 2 : 1) fused_ker
                        : "+r"(next[kk][j][0]), "+r"(next[kk][j][1]), "+r"(next[kk][j][2]),
                          "+r"(next[kk][j][3])::"memory");
     }
-    __syncthreads();
-    if (threadIdx.x == 0 && i + kFusedStages - 1 < nchunks) {
-      load_stage(c0 + i + kFusedStages - 1, (i + kFusedStages - 1) % kFusedStages);
+    if constexpr (kProducer) {  // chunk i-1's stage is free (its wgmmas completed; its decode was long before)
+      if (wg_on && i > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % kFusedStages));
+    } else {
+      __syncthreads();
+      if (threadIdx.x == 0 && i + kFusedStages - 1 < nchunks) {
+        load_stage(c0 + i + kFusedStages - 1, (i + kFusedStages - 1) % kFusedStages);
+      }
     }
     if (wg_on && i + 1 < nchunks) decode_chunk(i + 1, next);
   };
@@ -246,7 +291,7 @@ cudaError_t launch_fused(const Exl3GemmFusedArgs& a, cudaStream_t stream) {
     raised.fetch_or(uint64_t{1} << (dev & 63), std::memory_order_acq_rel);
   }
   const dim3 grid((a.n + 128 * S - 1) / (128 * S), (a.m + BT - 1) / BT, a.splits);
-  return launch_pdl(fused_kernel<K, CB, BT, S>, grid, dim3(kFusedThreads), smem, stream, a);
+  return launch_pdl(fused_kernel<K, CB, BT, S>, grid, dim3(fused_threads<BT, S>()), smem, stream, a);
 }
 
 template <int K>
