@@ -52,6 +52,7 @@ class Lab:
     # ------------------------------------------------------------------ network + ssh
     def up(self) -> Lab:
         self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_links()
         sh(f"ip netns add {self.ns}")
         sh(f"ip link add {self.veth_h} type veth peer name {self.veth_w}")
         sh(f"ip link set {self.veth_w} netns {self.ns}")
@@ -60,6 +61,14 @@ class Lab:
            f" && ip -n {self.ns} link set lo up")
         self._sshd()
         return self
+
+    def _remove_stale_links(self) -> None:
+        """A lab killed before its teardown leaves its host-side veth (tdh<pid>) holding HEAD_IP; the route to the
+        worker then goes there and every later lab's sshd looks dead. Only our own veth names are touched."""
+        for line in sh("ip -br addr", check=False).stdout.splitlines():
+            name = line.split()[0].split("@")[0] if line.split() else ""
+            if name.startswith("tdh") and name != self.veth_h and f" {HEAD_IP}/" in f" {line} ":
+                sh(f"ip link del {name}", check=False)
 
     def _sshd(self) -> None:
         r = self.root
