@@ -65,9 +65,9 @@ class Lab:
     def _remove_stale_links(self) -> None:
         """A lab killed before its teardown leaves its host-side veth (tdh<pid>) holding HEAD_IP; the route to the
         worker then goes there and every later lab's sshd looks dead. Only our own veth names are touched."""
-        for line in sh("ip -br addr", check=False).stdout.splitlines():
-            name = line.split()[0].split("@")[0] if line.split() else ""
-            if name.startswith("tdh") and name != self.veth_h and f" {HEAD_IP}/" in f" {line} ":
+        for fields in (line.split() for line in sh("ip -br addr", check=False).stdout.splitlines()):
+            name = fields[0].split("@")[0] if fields else ""
+            if name.startswith("tdh") and name != self.veth_h and any(f.startswith(f"{HEAD_IP}/") for f in fields):
                 sh(f"ip link del {name}", check=False)
 
     def _sshd(self) -> None:
