@@ -18,6 +18,7 @@ from twinspark.ops.exl3_gemm import (
     M_SLICE,
     PREP_GROUPS,
     PREP_WORK,
+    SK_MIN_CHUNKS,
     fused_available,
     plan,
 )
@@ -104,17 +105,34 @@ def test_k_n_not_multiple_of_128(gen):
         exl3_gemm(torch.randn(1, 144).half(), layer)
 
 
-def test_fused_split_k():
-    """k is split only when the blocks leave SMs idle, never past one round of blocks, and every split covers at
-    least one chunk of 64 rows (the kernel's launcher refuses an empty split)."""
+def test_fused_split_k(monkeypatch):
+    """k is split only when the blocks leave SMs idle, never past one round of blocks, every split >= one 64-row
+    chunk (the launcher refuses an empty split); stream-K (block 0 only) runs at most one block per SM, each with
+    >= SK_MIN_CHUNKS chunks, never more blocks than iterations (forced counts are capped there too)."""
+    seen = set()
     for m in (65, 128, 256, 300, 1024, 4096):
         for k, n in ANCHOR_SHAPES + AWKWARD_SHAPES:
             p = plan(m, k, n, 2, 132, variant="fused", fused=True)
+            seen.add(p.block)
             cols, tokens, per_sm = FUSED_BLOCKS[p.block]
             blocks = -(-n // cols) * -(-m // tokens)
-            assert p.splits * blocks <= max(132 * per_sm, blocks)
-            assert (p.splits - 1) * p.chunks_per_split < k // 64 <= p.splits * p.chunks_per_split
-    assert plan(256, 5120, 1152, 2, 132, fused=True).splits > 1  # 9-18 blocks alone would leave most SMs idle
+            if p.stream_k:
+                assert p.block == 0
+                iterations = blocks * (k // 64)
+                assert 1 <= p.splits <= min(132, iterations)
+                assert p.splits == 1 or iterations // p.splits >= SK_MIN_CHUNKS
+            else:
+                assert p.splits * blocks <= max(132 * per_sm, blocks)
+                assert (p.splits - 1) * p.chunks_per_split < k // 64 <= p.splits * p.chunks_per_split
+    assert seen == set(FUSED_BLOCKS)
+    p = plan(256, 5120, 12288, 2, 132, fused=True)
+    assert p.stream_k and p.splits == 132  # 96 tiles: stream-K fills all 132 SMs
+    p = plan(256, 4096, 5120, 2, 132, fused=True)
+    assert not p.stream_k and p.splits > 1  # 40 tiles: k split (stream-K would spread a tile over 3.3 blocks)
+    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_BLOCK", "0")
+    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_SK_BLOCKS", "100000")
+    p = plan(256, 128, 128, 2, 132, variant="fused", fused=True)
+    assert p.stream_k and p.splits == 2  # one tile of two chunks
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         plan(256, 128, 128, 2, 132, variant="fused", fused=False)
 
@@ -178,7 +196,7 @@ def test_every_variant_at_every_m(variant, gen, cuda, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", sorted(FUSED_BLOCKS))
 def test_fused_block_shapes_and_split_k(block, gen, cuda, monkeypatch):
-    """Every fused block shape, a half 256-column strip (n = 640), split k (few blocks) and partial token blocks."""
+    """Every fused block shape, split k / stream-K (few tiles) and partial token blocks."""
     if not fused_available(cuda):
         pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
     monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", "fused")
@@ -186,6 +204,24 @@ def test_fused_block_shapes_and_split_k(block, gen, cuda, monkeypatch):
     for K, codebook in ((2, "mul1"), (4, "mcg"), (1, "3inst")):
         layer = random_layer(1152, 640, K, codebook, bias=True, generator=gen)
         _check_case(layer, torch.bfloat16, (65, 129, 300, 513), cuda, gen, f"block={block} {codebook} K={K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sk_blocks", ["1", "7", "50", "180"])
+def test_fused_stream_k_block_counts(sk_blocks, gen, cuda, monkeypatch):
+    """Stream-K (block 0) at forced block counts on 5 strips x 2 token tiles x 18 chunks = 180 iterations: one
+    block for all, runs across tiles (7), tiles shared by 3-5 blocks (50), one chunk per block (180, more blocks
+    than an H200 holds at once: heads wait on blocks that start only when others finish). Twice in a row: the
+    flags must be left zero."""
+    if not fused_available(cuda):
+        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
+    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", "fused")
+    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_BLOCK", "0")
+    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_SK_BLOCKS", sk_blocks)
+    for K, codebook in ((2, "mul1"), (3, "mcg")):
+        layer = random_layer(1152, 640, K, codebook, bias=True, generator=gen)
+        for _ in range(2):
+            _check_case(layer, torch.bfloat16, (300,), cuda, gen, f"sk={sk_blocks} {codebook} K={K}")
 
 
 @pytest.mark.gpu

@@ -70,20 +70,23 @@ void bind_exl3_gemm(py::module_& m) {
       py::arg("stream"));
   m.def(
       "exl3_gemm_fused",
-      [](std::uintptr_t xb, std::uintptr_t trellis, std::uintptr_t y, int m, int k, int n, int K, int codebook,
-         int block, int chunks_per_split, int splits, std::uintptr_t stream) {
+      [](std::uintptr_t xb, std::uintptr_t trellis, std::uintptr_t y, std::uintptr_t part, std::uintptr_t flags, int m,
+         int k, int n, int K, int codebook, int block, int chunks_per_split, int splits, std::uintptr_t stream) {
         twinspark::Exl3GemmFusedArgs a{};
         a.xb = twinspark::ptr<const void>(xb);
         a.trellis = twinspark::ptr<const int16_t>(trellis);
         a.y = twinspark::ptr<void>(y);
+        a.part = twinspark::ptr<float>(part);
+        a.flags = twinspark::ptr<int>(flags);
         a.m = m, a.k = k, a.n = n;
         a.chunks_per_split = chunks_per_split;
         a.splits = splits;
         twinspark::check_launch(twinspark::exl3_gemm_fused(a, K, codebook, block, twinspark::stream(stream)),
                                 "exl3_gemm (fused)");
       },
-      py::arg("xb"), py::arg("trellis"), py::arg("y"), py::arg("m"), py::arg("k"), py::arg("n"), py::arg("K"),
-      py::arg("codebook"), py::arg("block"), py::arg("chunks_per_split"), py::arg("splits"), py::arg("stream"));
+      py::arg("xb"), py::arg("trellis"), py::arg("y"), py::arg("part"), py::arg("flags"), py::arg("m"), py::arg("k"),
+      py::arg("n"), py::arg("K"), py::arg("codebook"), py::arg("block"), py::arg("chunks_per_split"), py::arg("splits"),
+      py::arg("stream"));
   m.def(
       "exl3_gemm_epilogue",
       [](std::uintptr_t y, int splits, std::uintptr_t svh, std::uintptr_t bias, int m, int n, std::uintptr_t out,

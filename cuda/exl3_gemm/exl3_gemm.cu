@@ -155,8 +155,11 @@ cudaError_t exl3_gemm_prep_x_blocked(const void* x, long x_stride, bool bf16, co
 }
 
 cudaError_t exl3_gemm_fused(const Exl3GemmFusedArgs& a, int K, int codebook, int block, cudaStream_t stream) {
-  if (a.m < 1 || a.k % 128 || a.n % 128 || block < 0 || block > 2 || a.splits < 1 || a.chunks_per_split < 1 ||
-      (a.splits - 1) * a.chunks_per_split >= a.k / 64) {
+  if (a.m < 1 || a.k % 128 || a.n % 128 || a.splits < 1 || (block != 0 && block != 2)) return cudaErrorInvalidValue;
+  if (a.part) {  // stream-K (block 0): every block gets at least one iteration
+    const long iterations = static_cast<long>(a.n / 128) * ((a.m + 255) / 256) * (a.k / 64);
+    if (block != 0 || a.splits > iterations || !a.flags) return cudaErrorInvalidValue;
+  } else if (a.chunks_per_split < 1 || (a.splits - 1) * a.chunks_per_split >= a.k / 64) {
     return cudaErrorInvalidValue;
   }
   int dev = 0, major = 0;

@@ -40,15 +40,20 @@ cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int
 
 // Fused large-m path (sm_90a only; the launcher returns cudaErrorInvalidDeviceFunction on other GPUs):
 // y' = x' · W_hat with the trellis decoded into wgmma operands (fused_sm90.cuh). xb = x' in the blocked layout of
-// exl3_gemm_prep_x_blocked; block: 0 = 128 columns x 256 tokens, 1 = 256 x 128, 2 = 128 x 128 per block;
-// k split in `splits` parts of chunks_per_split 64-row chunks. y: fp16 [m, n] when splits == 1, else fp32
-// partials [splits, m, n]; finish with exl3_gemm_epilogue (which sums the partials).
+// exl3_gemm_prep_x_blocked. block 0 = 128 columns x 256 tokens per tile, block 2 = 128 x 128. With part set
+// (block 0 only) the launch runs stream-K over `splits` blocks (1 .. the launch's tile x 64-row-chunk
+// iterations; at most the SMs it can have resident is best), y fp16 [m, n], part fp32 [splits][256 * 128] scratch,
+// flags int32 [splits] zero on entry (left zero). Without: one tile per block and k split in `splits` parts of
+// chunks_per_split 64-row chunks, y fp16 [m, n] when splits == 1, else fp32 partials [splits, m, n]. Finish with
+// exl3_gemm_epilogue (which sums the partials).
 struct Exl3GemmFusedArgs {
   const void* xb;
   const int16_t* trellis;
   void* y;
+  float* part;  // stream-K (block 0), else null
+  int* flags;   // stream-K
   int m, k, n;
-  int chunks_per_split;
+  int chunks_per_split;  // k split
   int splits;
 };
 cudaError_t exl3_gemm_fused(const Exl3GemmFusedArgs& a, int K, int codebook, int block, cudaStream_t stream);

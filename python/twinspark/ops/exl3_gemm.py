@@ -64,37 +64,57 @@ class Plan:
     m_slice: int = 0
     prep: bool = False
     block: int = 0  # fused: block shape id (FUSED_BLOCKS)
+    stream_k: bool = False  # fused block 0: stream-K over ``splits`` blocks
 
 
 VARIANTS = ("small", "fused", "large")
 
 
-# Fused kernel block shapes: id -> (columns, tokens, blocks per SM); cuda/exl3_gemm/fused_sm90.cuh. Block 1
-# (256 x 128) is kept for sweeps: on the H200 it lost to 0 or 2 at every anchor shape (NOTES.md v5).
-FUSED_BLOCKS = {0: (128, 256, 1), 1: (256, 128, 1), 2: (128, 128, 2)}
+# Fused kernel block shapes: id -> (columns, tokens, blocks per SM); cuda/exl3_gemm/fused_sm90.cuh. (A 256 x 128
+# shape lost to both at every anchor shape and was removed, NOTES.md v5 and v10.)
+FUSED_BLOCKS = {0: (128, 256, 1), 2: (128, 128, 2)}
 # Relative cost of a block's columns x tokens of work by shape (2 x 128 x 128 blocks sharing an SM ran ~8% slower
 # than one 128 x 256 block on 5120x12288 and 5120x4096, H200).
-FUSED_EFFICIENCY = {0: 1.0, 1: 1.0, 2: 1.08}
+FUSED_EFFICIENCY = {0: 1.0, 2: 1.08}
+# Block 0 runs stream-K (every SM gets the same share of the launch's tile x 64-row-chunk iterations) when one
+# tile per block would leave more than 1 - SK_MAX_FILL of the SMs' time idle and there are at least SK_MIN_TILES
+# x SMs tiles: a tile's head block adds the other blocks' fp32 pieces one after another, so a tile should not be
+# spread much wider than 2 blocks. H200, m=256, K=2 (NOTES.md v10): 5120x12288 (96 tiles) 70.9 us vs 77.4 one tile
+# per block; 4096x5120 (40 tiles, 3.3 blocks per tile) 37.6 vs 28.9 with the k split. Else k is split (fp32
+# partials summed by the epilogue). TWINSPARK_EXL3_GEMM_SK_BLOCKS forces stream-K with that many blocks.
+SK_MIN_TILES = 0.5
+SK_MAX_FILL = 0.85
+SK_MIN_CHUNKS = 4  # and >= this many 64-row chunks per block
 
 
-def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
-    """(block, splits, chunks_per_split) of the fused kernel. Per candidate shape, k is split (fp32 partials,
-    summed by the epilogue) when the blocks would leave SMs idle, into at most as many parts as keep one round of
-    blocks, each >= 4 chunks of 64 rows; the shape whose busiest SM gets the least work wins (blocks are spread
-    evenly: an SM runs ceil(blocks / SMs) of them). TWINSPARK_EXL3_GEMM_BLOCK=0|1|2 forces a shape (sweeps)."""
+def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
+    """(block, splits, chunks_per_split, stream_k) of the fused kernel; with stream_k, splits = its block count
+    (one per SM, each >= SK_MIN_CHUNKS chunks). Else k is split when the blocks would leave SMs idle, into at most
+    as many parts as keep one round of blocks, each >= 4 chunks. The shape whose busiest SM gets the least work
+    wins. TWINSPARK_EXL3_GEMM_BLOCK=0|2 forces a shape (sweeps)."""
     forced = os.environ.get("TWINSPARK_EXL3_GEMM_BLOCK", "")
+    sk = os.environ.get("TWINSPARK_EXL3_GEMM_SK_BLOCKS", "")
     chunks = k // 64
     best = None
-    for block in ((int(forced),) if forced in ("0", "1", "2") else (0, 2)):
+    for block in ((int(forced),) if forced in ("0", "2") else (0, 2)):
         cols, tokens, per_sm = FUSED_BLOCKS[block]
         blocks = math.ceil(n / cols) * math.ceil(m / tokens)
-        splits = max(1, min(chunks // 4, sms * per_sm // blocks))
-        cps = math.ceil(chunks / splits)
-        splits = math.ceil(chunks / cps)
-        cost = math.ceil(blocks * splits / sms) * cols * tokens * cps * FUSED_EFFICIENCY[block]
+        iterations = blocks * chunks
+        fill = blocks / (math.ceil(blocks / sms) * sms)
+        if block == 0 and (sk.isdigit() and int(sk) > 0 or blocks >= SK_MIN_TILES * sms and fill < SK_MAX_FILL):
+            splits = min(iterations, int(sk)) if sk.isdigit() and int(sk) > 0 else max(
+                1, min(sms, iterations // SK_MIN_CHUNKS))
+            cps, stream_k = chunks, True
+            cost = math.ceil(iterations / splits) * math.ceil(splits / sms) * cols * tokens
+        else:
+            splits = max(1, min(chunks // 4, sms * per_sm // blocks))
+            cps, stream_k = math.ceil(chunks / splits), False
+            splits = math.ceil(chunks / cps)
+            cost = math.ceil(blocks * splits / sms) * cols * tokens * cps
+        cost *= FUSED_EFFICIENCY[block]
         if best is None or cost < best[0]:
-            best = (cost, block, splits, cps)
-    return best[1], best[2], best[3]
+            best = (cost, block, splits, cps, stream_k)
+    return best[1:]
 
 
 def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None, fused: bool = False) -> Plan:
@@ -108,8 +128,8 @@ def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None,
         raise ValueError(f"{OP}: the fused variant needs an sm_90 GPU (wgmma) and a build with sm_90a; "
                          "use 'small' or 'large'")
     if variant == "fused":
-        block, splits, cps = fused_shape(m, k, n, sms)
-        return Plan("fused", splits=splits, chunks_per_split=cps, block=block)
+        block, splits, cps, stream_k = fused_shape(m, k, n, sms)
+        return Plan("fused", splits=splits, chunks_per_split=cps, block=block, stream_k=stream_k)
     if variant == "large":
         return Plan("large")
     m_slice = min(m, M_SLICE)
@@ -129,7 +149,7 @@ _PLANS: dict[tuple, Plan] = {}
 def _cached_plan(m, k, n, K, sms, fused) -> Plan:
     forced = os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
     key = (m, k, n, K, sms, fused, forced, os.environ.get("TWINSPARK_EXL3_GEMM_PREP"),
-           os.environ.get("TWINSPARK_EXL3_GEMM_BLOCK"),
+           os.environ.get("TWINSPARK_EXL3_GEMM_BLOCK"), os.environ.get("TWINSPARK_EXL3_GEMM_SK_BLOCKS"),
            BLOCKS_PER_SM if not isinstance(BLOCKS_PER_SM, dict) else None)
     p = _PLANS.get(key)
     if p is None:
@@ -237,11 +257,16 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
                 bf16, stream, xh + m0 * k * 2 if xh else 0)
     elif p.variant == "fused":
         xb = ws.buffer("gemm_xb", (m + 7) // 8 * 8 * k)
-        y = ws.buffer("gemm_y", m * n * (1 if p.splits == 1 else 2 * p.splits))  # fp16, or fp32 partials per split
+        partials = not p.stream_k and p.splits > 1  # else y' is fp16
+        y = ws.buffer("gemm_y", m * n * (2 * p.splits if partials else 1))
+        part = flags = 0
+        if p.stream_k:  # a 256 x 128 fp32 hand-over slot and a flag per block
+            part = ws.buffer("gemm_sk_part", p.splits * 256 * 128, torch.float32).data_ptr()
+            flags = ws.zeroed("gemm_sk_flags", p.splits, torch.int32, capture_id(dev)).data_ptr()
         C.exl3_gemm_prep_x_blocked(x2.data_ptr(), x2.stride(0), bf16, suh.data_ptr(), m, k, xb.data_ptr(), stream)
-        C.exl3_gemm_fused(xb.data_ptr(), trellis.data_ptr(), y.data_ptr(), m, k, n, int(K), cb, p.block,
-                          p.chunks_per_split, p.splits, stream)
-        C.exl3_gemm_epilogue(y.data_ptr(), 0 if p.splits == 1 else p.splits, svh.data_ptr(),
+        C.exl3_gemm_fused(xb.data_ptr(), trellis.data_ptr(), y.data_ptr(), part, flags, m, k, n, int(K), cb,
+                          p.block, p.chunks_per_split, p.splits, stream)
+        C.exl3_gemm_epilogue(y.data_ptr(), p.splits if partials else 0, svh.data_ptr(),
                              bias.data_ptr() if bias is not None else 0, m, n, out2.data_ptr(), n, bf16, stream)
     else:
         # W with suh, both Hadamards and svh folded in, in x's dtype: the GEMM is one dense matmul (bias fused)
