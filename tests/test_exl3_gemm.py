@@ -258,11 +258,14 @@ def test_half_rate_runs_reference_with_notice(gen, cuda):
 
 
 @pytest.mark.gpu
-def test_two_streams_concurrently(gen, cuda):
-    """Two GEMMs on two streams at once (separate workspaces): both finish and both are right."""
-    layers = [random_layer(5120, 1152, 2, "mul1", generator=gen).to(cuda),
-              random_layer(4096, 5120, 3, "mcg", generator=gen).to(cuda)]
-    xs = [torch.randn(4, L.k, generator=gen).to(cuda, torch.bfloat16) for L in layers]
+@pytest.mark.parametrize("m,shapes", [(4, ((5120, 1152), (4096, 5120))), (300, ((5120, 12288), (5120, 4096)))])
+def test_two_streams_concurrently(m, shapes, gen, cuda):
+    """Two GEMMs on two streams at once (separate workspaces): both finish and both are right. m=300 on sm_90:
+    stream-K (its head blocks wait on later blocks) beside a k-split fused GEMM, competing for SMs."""
+    (k0, n0), (k1, n1) = shapes
+    layers = [random_layer(k0, n0, 2, "mul1", generator=gen).to(cuda),
+              random_layer(k1, n1, 3, "mcg", generator=gen).to(cuda)]
+    xs = [torch.randn(m, L.k, generator=gen).to(cuda, torch.bfloat16) for L in layers]
     want = [exl3_gemm(x, L).float() for x, L in zip(xs, layers)]
     torch.cuda.synchronize()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
@@ -288,9 +291,12 @@ def test_two_streams_concurrently(gen, cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 300])
-def test_cuda_graph_capture_and_replay(m, gen, cuda):
-    layer = random_layer(5120, 1152, 3, "mul1", bias=True, generator=gen).to(cuda)
+@pytest.mark.parametrize("m,k,n", [(1, 5120, 1152), (16, 5120, 1152), (300, 5120, 1152), (300, 5120, 4096),
+                                   (512, 4096, 5120)])
+def test_cuda_graph_capture_and_replay(m, k, n, gen, cuda):
+    """Capture once, replay with fresh x. m >= 300 on sm_90 covers the fused kernel's modes: both block shapes
+    with k split (5120x1152: 128 x 128, 5120x4096: 128 x 256), stream-K (4096x5120 at m=512)."""
+    layer = random_layer(k, n, 3, "mul1", bias=True, generator=gen).to(cuda)
     x = torch.randn(m, layer.k, generator=gen).to(cuda, torch.float16)
     exl3_gemm(x, layer)  # warm-up outside capture
     torch.cuda.synchronize()
