@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from twinspark import benchkit as bk  # noqa: E402
 from twinspark.exl3.layer import Exl3Layer, random_layer  # noqa: E402
 from twinspark.ops import exl3_gemm  # noqa: E402
-from twinspark.ops.exl3_gemm import fused_available, plan  # noqa: E402
+from twinspark.ops.exl3_gemm import LARGE_M, M_SLICE, fused_available, plan  # noqa: E402
 
 SHAPES = ((1152, 5120), (5120, 1152), (4096, 5120), (5120, 4096), (5120, 12288))
 KS = (2, 3, 4)
@@ -124,6 +124,8 @@ def main(argv=None) -> int:
                     d = dense.get((k, n, m))
                     main_rec = var == chosen and m in ms
                     g = bk.predict_gb10_us(nbytes, t.median_us, copy)
+                    if m > LARGE_M:  # GB10 runs the large path there, bound by its weight's bytes, not the H200's time
+                        g["bounded_us"] = bk.predict_gb10_large_us(k, n, m, tbytes, x.nbytes, out.nbytes)["us"]
                     rec = bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": K, "m": m}, timing=t, bytes=nbytes,
                                     flops=2 * m * k * n, anchor_us=an.upstream_us if an else None, dense_us=d,
                                     variant=var if main_rec else f"{var} (crossover)",
@@ -150,12 +152,30 @@ def main(argv=None) -> int:
     summary += ["", "Same targets with the kernel's time from CUDA-graph replay (host launch cost removed; the "
                 "upstream and dense numbers stay eager):"] + summarize(graph_records)
     print("\n" + "\n".join(summary), flush=True)
+    print("\n".join(gb10_prefill(main_records)), flush=True)
     if not (a.quick or a.no_sweep):
         records += sweep_split(dev, gen, copy, a.codebook)
     path = bk.write_results("exl3_gemm", records, ceilings={"copy_gbps": copy})
     png = plot(main_records, path.with_name("exl3_gemm.png"))
     print(f"wrote {path} and {png}")
     return 0
+
+
+def gb10_prefill(records) -> list[str]:
+    """GB10 prefill on paper: the large path the table runs there (benchkit.predict_gb10_large_us) against the small
+    kernel in slices of M_SLICE tokens (each slice predicted like the m = M_SLICE row: bounded estimate)."""
+    notes = {(r.shape["k"], r.shape["n"], r.shape["K"], r.shape["m"]): r.notes for r in records}
+    lines = ["", f"GB10 prefill (predicted, us): large path vs the small kernel in slices of {M_SLICE} tokens"]
+    for (k, n, K, m), note in sorted(notes.items()):
+        small = notes.get((k, n, K, M_SLICE))
+        if m <= LARGE_M or small is None:
+            continue
+        large_us = float(note.split("gb10_bounded_us=")[1].split()[0])
+        slice_us = float(small.split("gb10_bounded_us=")[1].split()[0])
+        sliced = math.ceil(m / M_SLICE) * slice_us
+        lines.append(f"  {k}x{n} K={K} m={m}: large {large_us:.0f}, small x{math.ceil(m / M_SLICE)} {sliced:.0f}"
+                     f" ({'small' if sliced < large_us else 'large'} predicted faster)")
+    return lines
 
 
 def sweep_split(dev, gen, copy, codebook="mul1") -> list[bk.Record]:

@@ -303,3 +303,17 @@ def test_predict_gb10_us_takes_the_larger_floor():
     assert q["decode_us"] == pytest.approx((200.0 - 2 * bk.H200_LAUNCH_US - 5.0) * scale)
     assert q["decode_us"] > floor and q["bounded_us"] == pytest.approx(q["decode_us"] + 2 * bk.GB10_LAUNCH_US)
     assert q["naive_us"] == pytest.approx(nbytes / (bk.GB10_BW * (nbytes / 200e-6 / (copy * 1e9))) * 1e6)
+
+
+def test_predict_gb10_large_us_bandwidth_then_compute():
+    """The large path on GB10: its two passes move the bf16 weight twice (bandwidth-bound at small m); at large m
+    the matmul's FLOPs take over."""
+    k, n = 5120, 12288
+    w = 2.0 * k * n
+    p = bk.predict_gb10_large_us(k, n, 1, w / 8, 0, 0)
+    bw = bk.GB10_BW * bk.GB10_BW_FRACTION
+    assert abs(p["dequant_us"] - (w / 8 + w) / bw * 1e6) < 1e-6
+    assert abs(p["matmul_us"] - w / bw * 1e6) < 1e-6
+    assert abs(p["us"] - (p["dequant_us"] + p["matmul_us"] + 2 * bk.GB10_LAUNCH_US)) < 1e-9
+    q = bk.predict_gb10_large_us(k, n, 8192, w / 8, 0, 0)
+    assert abs(q["matmul_us"] - 2.0 * 8192 * k * n / bk.GB10_BF16_FLOPS * 1e6) < 1e-6

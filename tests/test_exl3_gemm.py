@@ -16,6 +16,8 @@ from twinspark.ops.exl3_gemm import (
     FUSED_MAX_M,
     LARGE_M,
     M_SLICE,
+    NO_WGMMA_SMALL_MAX_M,
+    NO_WGMMA_SMALL_MIN_WEIGHTS,
     PREP_GROUPS,
     PREP_WORK,
     SK_MIN_CHUNKS,
@@ -69,11 +71,13 @@ def test_opcheck(gen):
 @pytest.mark.parametrize("fused", [False, True])
 def test_plan_table_is_consistent(fused):
     """Every split covers >= 1 chunk, all chunks are covered, token groups hold the slice; prefill goes to the
-    fused kernel where it runs (sm_90) up to FUSED_MAX_M and to the large path above and elsewhere."""
-    for m in (1, 7, 8, 9, 16, 33, 63, 64, 65, 128, 129, 4096):
+    fused kernel where it runs (sm_90) up to FUSED_MAX_M and to the large path above; elsewhere (GB10) large
+    layers keep the small kernel up to NO_WGMMA_SMALL_MAX_M, the rest goes to the large path."""
+    for m in (1, 7, 8, 9, 16, 33, 63, 64, 65, 128, 129, 256, 257, 4096):
         for k, n in ANCHOR_SHAPES + AWKWARD_SHAPES:
             p = plan(m, k, n, 3, sms=132, fused=fused)
-            if m > LARGE_M:
+            no_wgmma_small = not fused and m <= NO_WGMMA_SMALL_MAX_M and k * n >= NO_WGMMA_SMALL_MIN_WEIGHTS
+            if m > LARGE_M and not no_wgmma_small:
                 assert p.variant == ("fused" if fused and m <= FUSED_MAX_M else "large")
                 assert fused or (p.block, p.splits) == (0, 0)
                 continue
@@ -82,6 +86,10 @@ def test_plan_table_is_consistent(fused):
             assert p.m_slice == min(m, M_SLICE) and p.m_slice <= 8 * p.groups < 2 * max(p.m_slice, 8)
             assert (p.splits - 1) * p.chunks_per_split < chunks <= p.splits * p.chunks_per_split
             assert p.prep == (p.groups >= PREP_GROUPS and n // 128 * k >= PREP_WORK)
+    if not fused:  # GB10 on paper: 5120x12288 at m=256 in four small slices, the 5.9M-weight layers on large
+        assert plan(256, 5120, 12288, 2, sms=48, fused=False).variant == "small"
+        assert plan(256, 1152, 5120, 2, sms=48, fused=False).variant == "large"
+        assert plan(512, 5120, 12288, 2, sms=48, fused=False).variant == "large"
 
 
 @pytest.mark.parametrize(("make", "message"), [

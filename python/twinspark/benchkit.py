@@ -243,6 +243,10 @@ GB10_SMS, GB10_CLOCK = 48, 2.4e9  # assumed SM clock under load (not measured he
 H200_SMS, H200_CLOCK = 132, 1.98e9  # measured clock under load (KINDS.md)
 GB10_LAUNCH_US = 4.0  # fixed cost per kernel (launch + prologue + tail), assumed ~2x the H200's
 H200_LAUNCH_US = 2.0
+# bf16 tensor throughput with fp32 accumulation, assumed (not measured here): mma.sync only on sm_121a; taken as
+# ~1/10 of the 1 PFLOP FP4-with-sparsity the product is sold with (FP4 -> FP8 -> BF16 halves, sparsity halves,
+# and some room for the fp32-accumulate rate). Replace with a Spark's cuBLAS number.
+GB10_BF16_FLOPS = 100e12
 
 
 def predict_gb10_us(nbytes: float, h200_us: float, h200_copy_gbps: float, launches: int = 1) -> dict:
@@ -262,6 +266,20 @@ def predict_gb10_us(nbytes: float, h200_us: float, h200_copy_gbps: float, launch
     decode = h200_work * (H200_SMS * H200_CLOCK) / (GB10_SMS * GB10_CLOCK)
     return {"naive_us": naive, "bounded_us": max(bw_floor, decode) + launches * GB10_LAUNCH_US,
             "bw_floor_us": bw_floor, "decode_us": decode}
+
+
+def predict_gb10_large_us(k: int, n: int, m: int, trellis_bytes: float, x_bytes: float, out_bytes: float) -> dict:
+    """GB10 time of the exl3_gemm large path (what the table runs there above LARGE_M: no wgmma on sm_121a),
+    from its two passes' bytes and the matmul's FLOPs, not from an H200 time (on the H200 that path is
+    compute-bound, on GB10 the bf16 weight it writes and reads back dominates):
+      dequant_w: trellis read + W written (2 k n bytes) at 273 GB/s x GB10_BW_FRACTION;
+      matmul:    max(W + x read and out written at that bandwidth, 2 m k n / GB10_BF16_FLOPS);
+    plus two launches. Returns {"us", "dequant_us", "matmul_us"}."""
+    bw = GB10_BW * GB10_BW_FRACTION
+    w = 2.0 * k * n
+    dequant = (trellis_bytes + w) / bw * 1e6
+    matmul = max((w + x_bytes + out_bytes) / bw, 2.0 * m * k * n / GB10_BF16_FLOPS) * 1e6
+    return {"us": dequant + matmul + 2 * GB10_LAUNCH_US, "dequant_us": dequant, "matmul_us": matmul}
 
 
 # --------------------------------------------------------------------------------------------------- ceilings

@@ -7,7 +7,8 @@ Kernel variants (the one table is `plan`; cuda/exl3_gemm/README.md says why each
 - ``fused`` (LARGE_M < m <= FUSED_MAX_M on sm_90): x' = H(x ⊙ suh) in fp16 (the swizzled layout wgmma reads),
   then one kernel decodes the trellis straight into wgmma register operands and multiplies by x' (W_hat never
   touches memory), then Hn, svh and bias in one kernel. Block shape and split-k from the same table (fused_shape).
-- ``large`` (larger m, and every m > LARGE_M off sm_90, e.g. GB10): the whole weight W = diag(suh)·Hk·W_hat·
+- ``large`` (larger m; off sm_90, e.g. GB10, every m > LARGE_M except up to NO_WGMMA_SMALL_MAX_M on large
+  layers, which stay ``small``): the whole weight W = diag(suh)·Hk·W_hat·
   Hn·diag(svh) made once per call in x's dtype (dequant_w: decode, both Hadamards through the tensor cores, both
   scales), then one dense matmul, torch.mm / torch.addmm with the bias (cuBLAS): no x' pass, no epilogue pass.
 
@@ -39,6 +40,14 @@ LARGE_M = 64  # m above this takes the fused (sm_90) or the large path (README: 
 # The fused kernel up to this m; above it the large path (its whole-weight pass is paid once for many tokens, and
 # cuBLAS outruns the fused kernel's tensor-core use): H200, bench_exl3_gemm.py, NOTES.md v5 and v8.
 FUSED_MAX_M = 512
+# Without the fused kernel (no wgmma: GB10, sm_121a) the large path writes the bf16 weight and reads it back,
+# 4 k n bytes, which a 273 GB/s LPDDR5x pays in full (5120x12288: >= 0.92 ms at any m). Up to this m, on layers of
+# at least this many weights, the table keeps the small kernel in 64-token slices instead (each slice reads only
+# the trellis). Predicted, not measured (no Spark here): benchkit.predict_gb10_large_us against ceil(m/64) small
+# slices, ~2x in favour of the slices at m=256 on 5120x12288, 4096x5120 and 5120x4096, a tie near m=512, the large
+# path ahead on the 5.9M-weight layers (README "GB10 model"). TWINSPARK_EXL3_GEMM_VARIANT overrides it.
+NO_WGMMA_SMALL_MAX_M = 256
+NO_WGMMA_SMALL_MIN_WEIGHTS = 1 << 24
 # split-k target per token-group count: about this many blocks per SM in one launch. H200 sweeps (graph replay,
 # K=2, bench_exl3_gemm.py; NOTES.md v4): m=1 6 blocks/SM is best or tied on all 5 anchor shapes (4096x5120 11.2
 # vs 12.0 us at 3); m=64 2 is best on 3 of 5 and within 3% on the others; 2 and 4 groups keep v1's 3.
@@ -120,8 +129,12 @@ def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
 def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None, fused: bool = False) -> Plan:
     """THE variant table: by m (decode vs prefill), device (``fused``: an sm_90 GPU with the sm_90a build) and
     shape (split-k so one launch fills the GPU; the fused kernel's block shape)."""
-    variant = variant or os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT") or (
-        "small" if m <= LARGE_M else ("fused" if fused and m <= FUSED_MAX_M else "large"))
+    variant = variant or os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
+    if not variant:
+        if m <= LARGE_M or (not fused and m <= NO_WGMMA_SMALL_MAX_M and k * n >= NO_WGMMA_SMALL_MIN_WEIGHTS):
+            variant = "small"
+        else:
+            variant = "fused" if fused and m <= FUSED_MAX_M else "large"
     if variant not in VARIANTS:
         raise ValueError(f"{OP}: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
     if variant == "fused" and not fused:
