@@ -137,10 +137,14 @@ def test_fused_split_k(monkeypatch):
     assert p.stream_k and p.splits == 132  # 96 tiles: stream-K fills all 132 SMs
     p = plan(256, 4096, 5120, 2, 132, fused=True)
     assert not p.stream_k and p.splits > 1  # 40 tiles: k split (stream-K would spread a tile over 3.3 blocks)
+    assert not plan(512, 1152, 5120, 2, 132, fused=True).stream_k  # 18 chunks per tile: the k split
+    assert plan(512, 4096, 5120, 2, 132, fused=True).stream_k
     monkeypatch.setenv("TWINSPARK_EXL3_GEMM_BLOCK", "0")
     monkeypatch.setenv("TWINSPARK_EXL3_GEMM_SK_BLOCKS", "100000")
     p = plan(256, 128, 128, 2, 132, variant="fused", fused=True)
     assert p.stream_k and p.splits == 2  # one tile of two chunks
+    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_SK_BLOCKS", "0")
+    assert not plan(256, 5120, 12288, 2, 132, fused=True).stream_k
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         plan(256, 128, 128, 2, 132, variant="fused", fused=False)
 

@@ -90,9 +90,12 @@ FUSED_EFFICIENCY = {0: 1.0, 2: 1.08}
 # x SMs tiles: a tile's head block adds the other blocks' fp32 pieces one after another, so a tile should not be
 # spread much wider than 2 blocks. H200, m=256, K=2 (NOTES.md v10): 5120x12288 (96 tiles) 70.9 us vs 77.4 one tile
 # per block; 4096x5120 (40 tiles, 3.3 blocks per tile) 37.6 vs 28.9 with the k split. Else k is split (fp32
-# partials summed by the epilogue). TWINSPARK_EXL3_GEMM_SK_BLOCKS forces stream-K with that many blocks.
+# partials summed by the epilogue). TWINSPARK_EXL3_GEMM_SK_BLOCKS forces stream-K with that many blocks (0: off).
 SK_MIN_TILES = 0.5
 SK_MAX_FILL = 0.85
+# ... and when a tile is at least this many 64-row chunks deep: at m=512 (NOTES.md v10 item 8) stream-K took
+# 5120x12288 from 195.9 to 138.4 us and 4096x5120 from 63.8 to 55.8, but 1152x5120 (18 chunks) from 27.5 to 29.5.
+SK_MIN_TILE_CHUNKS = 32
 SK_MIN_CHUNKS = 4  # and >= this many 64-row chunks per block
 
 
@@ -110,7 +113,8 @@ def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
         blocks = math.ceil(n / cols) * math.ceil(m / tokens)
         iterations = blocks * chunks
         fill = blocks / (math.ceil(blocks / sms) * sms)
-        if block == 0 and (sk.isdigit() and int(sk) > 0 or blocks >= SK_MIN_TILES * sms and fill < SK_MAX_FILL):
+        if block == 0 and sk != "0" and (sk.isdigit() and int(sk) > 0 or blocks >= SK_MIN_TILES * sms
+                                         and fill < SK_MAX_FILL and chunks >= SK_MIN_TILE_CHUNKS):
             splits = min(iterations, int(sk)) if sk.isdigit() and int(sk) > 0 else max(
                 1, min(sms, iterations // SK_MIN_CHUNKS))
             cps, stream_k = chunks, True
