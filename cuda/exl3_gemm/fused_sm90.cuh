@@ -17,15 +17,16 @@
 // a per-stage "empty" mbarrier to a producer warpgroup (BT = 256), or by a block barrier after which thread 0
 // issues the copies (BT = 128).
 //
-// Work split. BT = 128: one tile per block, k split over gridDim.z (fp32 partials [split, m, n] when split).
-// BT = 256, stream-K: the launch's (tile, chunk) iterations, tile-major (tile t = strip * ttiles + token tile),
-// are cut into gridDim.x equal runs, one per block, so every SM gets the same work whatever the tile count. A run
-// crosses tiles; the stage ring flows on across them. A tile's piece that holds its chunk 0 (the head) finishes
-// the tile: it adds the fp32 pieces of the blocks after it (each wrote its piece, the first of its run, to its
-// slot of a.part and raised its flag with a release) and stores fp16 y'. A block's only non-head piece is its
-// first, so one slot per block, and a head waits only on later blocks, which write their piece before they wait
-// on anything: no cycle whatever the residency. Output: y' (before the output Hadamard); exl3_gemm_epilogue
-// finishes it. Measured history and limits: NOTES.md v5, v9 and v10.
+// Work split. One tile per block, k split over gridDim.z (fp32 partials [split, m, n] when split); or, BT = 256
+// with a.part set (the table's choice, ops/exl3_gemm.py fused_shape), stream-K: the launch's (tile, chunk)
+// iterations, tile-major (tile t = strip * ttiles + token tile), are cut into gridDim.x equal runs, one per block,
+// so every SM gets the same work whatever the tile count. A run crosses tiles; the stage ring flows on across
+// them. A tile's piece that holds its chunk 0 (the head) finishes the tile: it adds the fp32 pieces of the blocks
+// after it (each wrote its piece, the first of its run, to its slot of a.part and raised its flag with a release)
+// and stores fp16 y'. A block's only non-head piece is its first, so one slot per block, and a head waits only on
+// later blocks, which write their piece before they wait on anything: no cycle whatever the residency. Output:
+// y' (before the output Hadamard); exl3_gemm_epilogue finishes it. Measured history and limits: NOTES.md v5, v9
+// and v10.
 #pragma once
 #include <cuda_fp16.h>
 #include <stdint.h>
