@@ -117,8 +117,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 template <int K, int CB, int BT>
 __global__ void __launch_bounds__(fused_threads<BT>(), BT == 128 ? 2 : 1) fused_kernel(const Exl3GemmFusedArgs a) {
   constexpr bool kProducer = fused_has_producer<BT>();
-  const bool stream_k = kProducer && a.part != nullptr;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const bool stream_k = kProducer && a.part != nullptr;
   constexpr int kXBytes = fused_x_bytes<BT>(), kStageBytes = fused_stage_bytes<K, BT>();
   constexpr int kRowBytes = 8 * 32 * K;              // one k-tile row of a strip's 8 n-tiles
   extern __shared__ __align__(1024) uint8_t smem[];  // 1 KB: the swizzle atom
