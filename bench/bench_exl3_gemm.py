@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                     d = dense.get((k, n, m))
                     main_rec = var == chosen and m in ms
                     g = bk.predict_gb10_us(nbytes, t.median_us, copy)
-                    if m > LARGE_M:  # GB10 runs the large path there, bound by its weight's bytes, not the H200's time
+                    if m > LARGE_M:  # GB10's large path, from its weight's bytes (against small slices: gb10_prefill)
                         g["bounded_us"] = bk.predict_gb10_large_us(k, n, m, tbytes, x.nbytes, out.nbytes)["us"]
                     rec = bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": K, "m": m}, timing=t, bytes=nbytes,
                                     flops=2 * m * k * n, anchor_us=an.upstream_us if an else None, dense_us=d,

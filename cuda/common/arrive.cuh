@@ -15,4 +15,16 @@ __device__ __forceinline__ int arrive_acq_rel(int* counter) {
   return old;
 }
 
+// A flag handed from one block to another at GPU scope: the writer's release covers what its block's barrier
+// ordered before it (as above); the reader's acquire, then its block barrier, makes those writes visible to the
+// reading block (stream-K hand-over in exl3_gemm/fused_sm90.cuh).
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 }  // namespace twinspark

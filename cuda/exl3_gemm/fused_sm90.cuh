@@ -33,6 +33,7 @@
 
 #include <atomic>
 
+#include "common/arrive.cuh"
 #include "common/pdl.cuh"
 #include "exl3/decode_tile.cuh"
 #include "exl3_gemm/exl3_gemm.h"
@@ -98,14 +99,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // Barrier 1 over the `count` compute threads (the producer warpgroup never joins it).
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void store_release(int* p, int v) {
-  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 // bytes (multiple of 16) from global to shared memory; completion counted on the mbarrier `bar`.
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
