@@ -55,19 +55,111 @@ struct LaneWindow {
   }
 };
 
-// The 16 bits starting BIT bits into the big-endian window a0:a1:a2, as a clean 0..65535 value.
+// Cutting a lane's 8 states out of its aligned window a0:a1:a2 (MSB first; state i starts at window bit
+// kBase + i*K). A state 0, 8 or 16 bits into a 32-bit "view" of the window is cut with ONE integer op: view >> 16,
+// a byte permute, or view & 0xFFFF. Views at word boundaries are the words themselves; a shifted view costs one op
+// and pays only where it serves two or three states (K = 2: 4 views serve all 8). A state no view serves takes a
+// shift and a mask (or a funnel shift and a shift), both on the integer pipe.
+// Ops per 8 states: 11 at K=2 (15 with a two-op cut per state), 11 at K=4 (14), 10 at K=8 (12); 15 at odd K and
+// K=6, where no two states are 8 or 16 bits apart. cuda/exl3_moe/NOTES.md v9: putting the single-state views on
+// the FMA pipe (IMAD.SHL) instead was slower, since IMAD and IDP4A already half-fill that pipe.
+struct CutPlan {
+  int view[8];  // window bit where state i's view starts
+  int cut[8];   // state i's offset inside its view: 0, 8 or 16; -1: no view, a shift and a mask
+  int span[8];  // bits state i's view must hold (the largest cut served + 16)
+};
+
+template <int K>
+constexpr CutPlan make_cut_plan() {
+  CutPlan p{};
+  constexpr int base = LaneWindow<K>::kBase;
+  bool done[8] = {};
+  for (int i = 0; i < 8; ++i) {  // the words themselves first: no op for the view
+    const int b = base + i * K;
+    if (b % 32 == 0 || b % 32 == 8 || b % 32 == 16) {
+      p.view[i] = b - b % 32, p.cut[i] = b % 32, done[i] = true;
+    }
+  }
+  for (int i = 0; i < 8; ++i) {  // then shifted views that serve two or three states
+    if (done[i]) continue;
+    const int v = base + i * K;
+    int served = 0;
+    for (int j = i; j < 8; ++j) {
+      const int e = base + j * K - v;
+      served += !done[j] && (e == 0 || e == 8 || e == 16);
+    }
+    for (int j = i; j < 8 && served > 1; ++j) {
+      const int e = base + j * K - v;
+      if (!done[j] && (e == 0 || e == 8 || e == 16)) p.view[j] = v, p.cut[j] = e, done[j] = true;
+    }
+    if (!done[i]) p.view[i] = v, p.cut[i] = -1, done[i] = true;  // alone: cut straight from the words
+  }
+  for (int i = 0; i < 8; ++i) {
+    p.span[i] = 0;
+    for (int j = 0; j < 8; ++j) {
+      if (p.view[j] == p.view[i] && p.cut[j] + 16 > p.span[i]) p.span[i] = p.cut[j] + 16;
+    }
+  }
+  return p;
+}
+
+template <int K>
+struct CutPlanFor {
+  static constexpr CutPlan kPlan = make_cut_plan<K>();
+};
+
+// 32 window bits from bit P (only the first SPAN of them are used).
+template <int P, int SPAN>
+__device__ __forceinline__ uint32_t window_view(uint32_t a0, uint32_t a1, uint32_t a2) {
+  constexpr int q = P >> 5, r = P & 31;
+  static_assert(q <= 2 && (q <= 1 || r + SPAN <= 32), "window is three words");
+  const uint32_t w = q == 0 ? a0 : (q == 1 ? a1 : a2);
+  if constexpr (r == 0) {
+    return w;
+  } else if constexpr (r + SPAN <= 32) {
+    return w << r;
+  } else {
+    return __funnelshift_l(q == 0 ? a1 : a2, w, r);
+  }
+}
+
+// The 16 window bits from bit BIT with two integer ops (a state no shared view serves).
 template <int BIT>
 __device__ __forceinline__ uint32_t take16(uint32_t a0, uint32_t a1, uint32_t a2) {
   constexpr int q = BIT >> 5, r = BIT & 31;
   static_assert(q <= 2 && (r <= 16 || q <= 1), "window is three words");
   const uint32_t hi = q == 0 ? a0 : (q == 1 ? a1 : a2);
-  if constexpr (r == 0) {
-    return hi >> 16;
-  } else if constexpr (r <= 16) {
+  if constexpr (r <= 16) {
     return (hi >> (16 - r)) & 0xFFFFu;
   } else {
-    const uint32_t lo = q == 0 ? a1 : a2;
-    return __funnelshift_l(lo, hi, r) >> 16;
+    return __funnelshift_l(q == 0 ? a1 : a2, hi, r) >> 16;
+  }
+}
+
+// The state E bits into view v (E = 0, 8 or 16): one integer op. WORD: v is a window word itself.
+template <int E, bool WORD>
+__device__ __forceinline__ uint32_t cut_view(uint32_t v) {
+  if constexpr (E == 0 && WORD) {
+    return v >> 16;
+  } else if constexpr (E == 0) {
+    // bytes 2, 3 of the view: as v >> 16, but the compiler cannot fold it with the view's shift back into a shift
+    // and a mask (two integer-pipe ops) as it does with (x << r) >> 16
+    return __byte_perm(v, 0u, 0x4432);
+  } else if constexpr (E == 8) {
+    return __byte_perm(v, 0u, 0x4421);  // bytes 1, 2 of the view, zeros above
+  } else {
+    return v & 0xFFFFu;
+  }
+}
+
+// State i of the lane (a clean 0..65535 value).
+template <int K, int I>
+__device__ __forceinline__ uint32_t lane_state(uint32_t a0, uint32_t a1, uint32_t a2) {
+  constexpr CutPlan pl = CutPlanFor<K>::kPlan;
+  if constexpr (pl.cut[I] < 0) {
+    return take16<pl.view[I]>(a0, a1, a2);
+  } else {
+    return cut_view<pl.cut[I], pl.view[I] % 32 == 0>(window_view<pl.view[I], pl.span[I]>(a0, a1, a2));
   }
 }
 
@@ -94,9 +186,9 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t s0, uint32_t s1) {
   }
 }
 
-template <int K, int CB, int BASE, int P>
+template <int K, int CB, int P>
 __device__ __forceinline__ uint32_t decode_pair_at(uint32_t a0, uint32_t a1, uint32_t a2) {
-  return decode_pair<CB>(take16<BASE + 2 * P * K>(a0, a1, a2), take16<BASE + (2 * P + 1) * K>(a0, a1, a2));
+  return decode_pair<CB>(lane_state<K, 2 * P>(a0, a1, a2), lane_state<K, 2 * P + 1>(a0, a1, a2));
 }
 
 // Decode this lane's 8 positions of one tile from its three window words (tile[lw.w0], tile[lw.w1], tile[lw.w2]).
@@ -105,11 +197,10 @@ __device__ __forceinline__ void decode_lane_words(uint32_t w0, uint32_t w1, uint
                                                   uint32_t (&pair)[4]) {
   uint32_t a0, a1, a2;
   lw.align(w0, w1, w2, a0, a1, a2);
-  constexpr int base = LaneWindow<K>::kBase;
-  pair[0] = decode_pair_at<K, CB, base, 0>(a0, a1, a2);
-  pair[1] = decode_pair_at<K, CB, base, 1>(a0, a1, a2);
-  pair[2] = decode_pair_at<K, CB, base, 2>(a0, a1, a2);
-  pair[3] = decode_pair_at<K, CB, base, 3>(a0, a1, a2);
+  pair[0] = decode_pair_at<K, CB, 0>(a0, a1, a2);
+  pair[1] = decode_pair_at<K, CB, 1>(a0, a1, a2);
+  pair[2] = decode_pair_at<K, CB, 2>(a0, a1, a2);
+  pair[3] = decode_pair_at<K, CB, 3>(a0, a1, a2);
 }
 
 // "Raw" decode (3inst and mcg) for an mma that sums over both fp16 halves of a register: register j holds
@@ -130,15 +221,14 @@ template <int K, int CB>
 __device__ __forceinline__ void decode_lane_raw(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&r)[8]) {
   uint32_t a0, a1, a2;
   lw.align(tile[lw.w0], tile[lw.w1], tile[lw.w2], a0, a1, a2);
-  constexpr int base = LaneWindow<K>::kBase;
-  r[0] = decode_raw<CB>(take16<base + 0 * K>(a0, a1, a2));
-  r[1] = decode_raw<CB>(take16<base + 1 * K>(a0, a1, a2));
-  r[2] = decode_raw<CB>(take16<base + 2 * K>(a0, a1, a2));
-  r[3] = decode_raw<CB>(take16<base + 3 * K>(a0, a1, a2));
-  r[4] = decode_raw<CB>(take16<base + 4 * K>(a0, a1, a2));
-  r[5] = decode_raw<CB>(take16<base + 5 * K>(a0, a1, a2));
-  r[6] = decode_raw<CB>(take16<base + 6 * K>(a0, a1, a2));
-  r[7] = decode_raw<CB>(take16<base + 7 * K>(a0, a1, a2));
+  r[0] = decode_raw<CB>(lane_state<K, 0>(a0, a1, a2));
+  r[1] = decode_raw<CB>(lane_state<K, 1>(a0, a1, a2));
+  r[2] = decode_raw<CB>(lane_state<K, 2>(a0, a1, a2));
+  r[3] = decode_raw<CB>(lane_state<K, 3>(a0, a1, a2));
+  r[4] = decode_raw<CB>(lane_state<K, 4>(a0, a1, a2));
+  r[5] = decode_raw<CB>(lane_state<K, 5>(a0, a1, a2));
+  r[6] = decode_raw<CB>(lane_state<K, 6>(a0, a1, a2));
+  r[7] = decode_raw<CB>(lane_state<K, 7>(a0, a1, a2));
 }
 
 // x' for the raw mma, one 128-deep k-block of one row (token) = 128 u32 words: x'[16 kt + kk] with kk = 8h + 2j + e
