@@ -117,7 +117,9 @@ __device__ __forceinline__ uint32_t window_view(uint32_t a0, uint32_t a1, uint32
   if constexpr (r == 0) {
     return w;
   } else if constexpr (r + SPAN <= 32) {
-    return w << r;
+    // = w << r; as a funnel shift it stays on the integer ALU pipe (ptxas makes w << r an IMAD.SHL on the FMA pipe,
+    // which IMAD and IDP4A already fill more: 1-2% slower at K=2, cuda/exl3_moe/NOTES.md v9)
+    return __funnelshift_l(0u, w, r);
   } else {
     return __funnelshift_l(q == 0 ? a1 : a2, w, r);
   }

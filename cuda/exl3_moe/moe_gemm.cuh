@@ -157,7 +157,7 @@ __device__ __forceinline__ void route_small(const GemmParams& p, int item, RowTa
 // Row r (< rcnt) of the A block of k-block kb, this lane's 4 values: fp32 Hadamard-domain activations.
 // Gate/up: x[token] * suh of (e, mat), input Hadamard. Down: the sum of the pair's k-split gate/up parts, output
 // Hadamard, svh, SiLU(gate) * up (clamped), suh of down, input Hadamard.
-template <bool DOWN>
+template <bool DOWN, bool SCALES_FIRST = false>
 __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows, int r, int e, int mat, int kb,
                                       float (&v)[4]) {
   const int lane = threadIdx.x & 31;
@@ -172,6 +172,15 @@ __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows
 #pragma unroll
     for (int q = 0; q < 4; ++q) v[q] *= s[q];
   } else {
+    float sg[4], su[4], sd[4];
+    const auto load_scales = [&] {
+      exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 0) * p.I + col, sg);
+      exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 1) * p.I + col, su);
+      exl3::load4_half(p.suh2 + static_cast<size_t>(e) * p.I + col, sd);
+    };
+    // SCALES_FIRST (finish_act, one warp per row on the layer's critical path): the scale loads overlap the parts'
+    // L2 round trip. The 64-row build keeps them after it (loaded first they cost 100 B of spills there).
+    if constexpr (SCALES_FIRST) load_scales();
     const float* g = p.gu32 + static_cast<size_t>(rows.pair[r]) * 2 * p.I + col;
     const size_t part = static_cast<size_t>(p.P) * 2 * p.I;
     float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
@@ -195,10 +204,7 @@ __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows
     }
     exl3::hadamard128_warp(gv, lane);
     exl3::hadamard128_warp(uv, lane);
-    float sg[4], su[4], sd[4];
-    exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 0) * p.I + col, sg);
-    exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 1) * p.I + col, su);
-    exl3::load4_half(p.suh2 + static_cast<size_t>(e) * p.I + col, sd);
+    if constexpr (!SCALES_FIRST) load_scales();
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       float gq = gv[q] * sg[q], uq = uv[q] * su[q];
@@ -279,7 +285,7 @@ __device__ __forceinline__ void finish_act(const GemmParams& p, const RowTables&
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int r = warp; r < rcnt; r += kThreads / 32) {
     float v[4];
-    a_row<true>(p, rows, r, e, 2, slice, v);
+    a_row<true, true>(p, rows, r, e, 2, slice, v);
     *reinterpret_cast<uint2*>(p.act + static_cast<size_t>(rows.pair[r]) * p.I + slice * 128 + lane * 4) = pack4_half(v);
   }
   if (threadIdx.x == 0) *counter = 0;
