@@ -185,6 +185,12 @@ def test_time_cuda_measures_gpu_time_and_rotates():
     tiny = torch.zeros(16, device="cuda")
     paused = bk.time_cuda(lambda: (time.sleep(0.002), tiny.add_(1.0)), warmup=2, iters=5, calls_per_sample=1)
     assert paused.median_us < 500, paused
+    # The host gets slower after the warm-up (300 us per call from then on): each sample's GPU sleep follows the
+    # slowest launch time seen, so at most the first sample can catch the host's time.
+    calls = []
+    slowing = bk.time_cuda(lambda: (calls.append(1), len(calls) > 2 and time.sleep(300e-6), tiny.add_(1.0)),
+                           warmup=2, iters=7, calls_per_sample=16)
+    assert sorted(slowing.samples_us)[-2] < 100, slowing
     # One event pair per call costs more than a pass of back-to-back calls (event overhead, ~2 us on the H200).
     zero = bk.time_cuda(lambda: tiny.add_(1.0), iters=7, calls_per_sample=64)
     one = bk.time_cuda(lambda: tiny.add_(1.0), iters=7, calls_per_sample=1)

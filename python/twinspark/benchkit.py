@@ -167,20 +167,24 @@ def time_cuda(
     stream = torch.cuda.current_stream()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    # Queue the timed calls behind a GPU sleep long enough for the host to launch all of them, so the GPU runs
-    # them back to back. On an idle GPU the start event fires at once and the host's launch time lands inside
-    # the events (measured on the H200: bf16 mm 1x5120 by 5120x1152 read 44 us idle vs 10 us queued).
-    sleep_s = min(2 * iters * per * (host_s + 20e-6) + 1e-3, 1.0)
-    torch.cuda._sleep(int(sleep_s * _SLEEP_HZ))
+    # Queue each sample's calls behind a GPU sleep long enough for the host to launch them, so the GPU runs them
+    # back to back. On an idle GPU the start event fires at once and the host's launch time lands inside the
+    # events (measured on the H200: bf16 mm 1x5120 by 5120x1152 read 44 us idle vs 10 us queued). One sleep per
+    # sample, sized from the slowest host launch time seen so far: one sleep sized from the warm-up call ran out
+    # half-way through 30 samples of 64 calls (exl3_gemm m=1: 17 samples at 5.8 us, then 13 at ~47 us per call).
+    per_call_s = host_s
     i = warmup
     for j in range(iters):
         if setup is not None:
             setup()
+        torch.cuda._sleep(int(min(2 * per * (per_call_s + 20e-6) + 50e-6, 0.5) * _SLEEP_HZ))
+        t0 = time.perf_counter()
         starts[j].record(stream)
         for _ in range(per):
             call(i)
             i += 1
         ends[j].record(stream)
+        per_call_s = max(per_call_s, (time.perf_counter() - t0) / per)
     torch.cuda.synchronize()
     return Timing(tuple(s.elapsed_time(e) * 1000.0 / per for s, e in zip(starts, ends)))
 
