@@ -2,11 +2,14 @@
 # One-call recipe for the lent GPU machine (the `run` tool): build, GPU tests, benchmarks, logs under $OUT.
 #
 #   scripts/device-run.sh [-t "tests/test_a.py tests/test_b.py"] [-k PYTEST_K] [-b "exl3 moe"] [-B "bench args"]
-#                         [--no-build] [--archs 90a]
+#                         [--no-build] [--archs 90a] [--ab .ab/base [--ab-rounds 2]]
 #
 #   -t  test files/node ids for `pytest -m gpu` (default: none; "all" = tests/test_*.py)
 #   -k  pytest -k expression          -b  benchmark names for bench/run.py (default: none)
 #   -B  extra args for the bench files (run directly, not through bench/run.py; e.g. "--quick")
+#   --ab DIR  same-machine A/B: DIR is a base source tree made here by scripts/ab-base.sh REV (carry ".ab");
+#       it is built beside this tree in the same call, and each -b benchmark (needs -B) runs on both,
+#       alternating "new" and "base" for --ab-rounds rounds; both land in $OUT/bench.log under "== ..." headers
 # Logs: $OUT/build.log, $OUT/tests.log, $OUT/bench.log; bench results (JSON, PNG, report.md) in $OUT/bench/.
 # The `run` tool returns at most 8 files from $OUT (2 folders deep): keep what you write there few.
 # Every step runs even if an earlier one failed (one device call should tell as much as possible); the exit
@@ -16,7 +19,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/twinspark-out}"
 mkdir -p "$OUT"
-TESTS="" KEXPR="" BENCH="" BENCH_ARGS="" BUILD=1 ARCHS="${TWINSPARK_CUDA_ARCHS:-90a}"
+TESTS="" KEXPR="" BENCH="" BENCH_ARGS="" BUILD=1 ARCHS="${TWINSPARK_CUDA_ARCHS:-90a}" AB="" AB_ROUNDS=2
 while [ $# -gt 0 ]; do
   case "$1" in
     -t) TESTS="$2"; shift 2 ;;
@@ -25,11 +28,31 @@ while [ $# -gt 0 ]; do
     -B) BENCH_ARGS="$2"; shift 2 ;;
     --no-build) BUILD=0; shift ;;
     --archs) ARCHS="$2"; shift 2 ;;
+    --ab) AB="$2"; shift 2 ;;
+    --ab-rounds) AB_ROUNDS="$2"; shift 2 ;;
     *) echo "device-run.sh: unknown argument $1 (see the header of this script)" >&2; exit 2 ;;
   esac
 done
 status=0
 fail() { [ $status -eq 0 ] && status=$1; }
+
+if [ -n "$AB" ]; then
+  if [ ! -f "$AB/CMakeLists.txt" ]; then
+    echo "device-run.sh: --ab $AB is not a source tree; make it with scripts/ab-base.sh REV and carry \".ab\"" >&2
+    exit 2
+  fi
+  if [ -z "$BENCH" ] || [ -z "$BENCH_ARGS" ]; then
+    echo "device-run.sh: --ab compares benchmarks: give -b NAMES and -B \"ARGS\" (the bench files are run directly)" >&2
+    exit 2
+  fi
+  # The base build runs beside this tree's build and tests (separate build dir, --upgrade: a warm machine keeps
+  # /tmp, and pip --target does not replace an existing package without it).
+  ( t0=$(date +%s) && cd "$AB" && CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) / 2 + 1 )) TWINSPARK_CUDA_ARCHS="$ARCHS" \
+      python3 -m pip install --no-build-isolation --no-deps --upgrade --target /tmp/ab-base-site . >"$OUT/build_base.log" 2>&1 \
+    && cp /tmp/ab-base-site/twinspark/_C*.so python/twinspark/ \
+    && echo "base build ($(cat AB_REV 2>/dev/null)): $(( $(date +%s) - t0 )) s" >>"$OUT/build_base.log" ) &
+  AB_PID=$!
+fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/build.log"
 if [ $BUILD -eq 1 ]; then
@@ -52,7 +75,23 @@ fi
 
 if [ -n "$BENCH" ]; then
   mkdir -p "$OUT/bench"
-  if [ -n "$BENCH_ARGS" ]; then
+  if [ -n "$AB" ]; then
+    wait "$AB_PID" || { echo "base build failed: see build_base.log" | tee -a "$OUT/bench.log"; fail 12; }
+    tail -1 "$OUT/build_base.log"
+    for r in $(seq "$AB_ROUNDS"); do
+      for side in new base; do
+        dir=.; [ $side = base ] && dir="$AB"
+        for b in $BENCH; do
+          for f in "$dir"/bench/bench_${b}*.py; do
+            echo "== $(basename "$f" .py) $side $r" | tee -a "$OUT/bench.log"
+            # shellcheck disable=SC2086
+            (cd "$dir" && TWINSPARK_BENCH_OUT="$OUT/bench/$side" PYTHONPATH=python python3 "bench/$(basename "$f")" \
+              $BENCH_ARGS) 2>&1 | tee -a "$OUT/bench.log" || fail 30
+          done
+        done
+      done
+    done
+  elif [ -n "$BENCH_ARGS" ]; then
     for b in $BENCH; do
       for f in bench/bench_${b}*.py; do
         # shellcheck disable=SC2086
