@@ -106,6 +106,7 @@ def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
     wins. TWINSPARK_EXL3_GEMM_BLOCK=0|2 forces a shape (sweeps)."""
     forced = os.environ.get("TWINSPARK_EXL3_GEMM_BLOCK", "")
     sk = os.environ.get("TWINSPARK_EXL3_GEMM_SK_BLOCKS", "")
+    sk_blocks = int(sk) if sk.isdigit() else None  # forced stream-K block count; 0 = stream-K off
     chunks = k // 64
     best = None
     for block in ((int(forced),) if forced in ("0", "2") else (0, 2)):
@@ -113,10 +114,9 @@ def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
         blocks = math.ceil(n / cols) * math.ceil(m / tokens)
         iterations = blocks * chunks
         fill = blocks / (math.ceil(blocks / sms) * sms)
-        if block == 0 and sk != "0" and (sk.isdigit() and int(sk) > 0 or blocks >= SK_MIN_TILES * sms
-                                         and fill < SK_MAX_FILL and chunks >= SK_MIN_TILE_CHUNKS):
-            splits = min(iterations, int(sk)) if sk.isdigit() and int(sk) > 0 else max(
-                1, min(sms, iterations // SK_MIN_CHUNKS))
+        pays = blocks >= SK_MIN_TILES * sms and fill < SK_MAX_FILL and chunks >= SK_MIN_TILE_CHUNKS
+        if block == 0 and (sk_blocks if sk_blocks is not None else pays):
+            splits = min(iterations, sk_blocks) if sk_blocks else max(1, min(sms, iterations // SK_MIN_CHUNKS))
             cps, stream_k = chunks, True
             cost = math.ceil(iterations / splits) * math.ceil(splits / sms) * cols * tokens
         else:
