@@ -9,7 +9,7 @@
 #   -B  extra args for the bench files (run directly, not through bench/run.py; e.g. "--quick")
 #   --ab DIR  same-machine A/B: DIR is a base source tree made here by scripts/ab-base.sh REV (carry ".ab");
 #       it is built beside this tree in the same call, and each -b benchmark (needs -B) runs on both,
-#       alternating "new" and "base" for --ab-rounds rounds; both land in $OUT/bench.log under "== ..." headers
+#       alternating "new" and "base" for --ab-rounds rounds; both land in $OUT/bench.log under "== new|base <round>"
 # Logs: $OUT/build.log, $OUT/tests.log, $OUT/bench.log; bench results (JSON, PNG, report.md) in $OUT/bench/.
 # The `run` tool returns at most 8 files from $OUT (2 folders deep): keep what you write there few.
 # Every step runs even if an earlier one failed (one device call should tell as much as possible); the exit
@@ -73,31 +73,31 @@ if [ -n "$TESTS" ]; then
     2>&1 | tee "$OUT/tests.log" || fail 20
 fi
 
+# The -b bench files of source tree $1, run directly with -B's args; results under $2, output appended to bench.log.
+run_bench_files() {
+  local dir=$1 out=$2 b f
+  for b in $BENCH; do
+    for f in "$dir"/bench/bench_${b}*.py; do
+      # shellcheck disable=SC2086
+      (cd "$dir" && TWINSPARK_BENCH_OUT="$out" PYTHONPATH=python python3 "bench/$(basename "$f")" $BENCH_ARGS) 2>&1 |
+        tee -a "$OUT/bench.log" || fail 30
+    done
+  done
+}
+
 if [ -n "$BENCH" ]; then
   mkdir -p "$OUT/bench"
   if [ -n "$AB" ]; then
     wait "$AB_PID" || { echo "base build failed: see build_base.log" | tee -a "$OUT/bench.log"; fail 12; }
     tail -1 "$OUT/build_base.log"
     for r in $(seq "$AB_ROUNDS"); do
-      for side in new base; do
-        dir=.; [ $side = base ] && dir="$AB"
-        for b in $BENCH; do
-          for f in "$dir"/bench/bench_${b}*.py; do
-            echo "== $(basename "$f" .py) $side $r" | tee -a "$OUT/bench.log"
-            # shellcheck disable=SC2086
-            (cd "$dir" && TWINSPARK_BENCH_OUT="$OUT/bench/$side" PYTHONPATH=python python3 "bench/$(basename "$f")" \
-              $BENCH_ARGS) 2>&1 | tee -a "$OUT/bench.log" || fail 30
-          done
-        done
-      done
+      echo "== new $r ($BENCH)" | tee -a "$OUT/bench.log"
+      run_bench_files . "$OUT/bench/new"
+      echo "== base $r ($BENCH, $(cat "$AB/AB_REV" 2>/dev/null))" | tee -a "$OUT/bench.log"
+      run_bench_files "$AB" "$OUT/bench/base"
     done
   elif [ -n "$BENCH_ARGS" ]; then
-    for b in $BENCH; do
-      for f in bench/bench_${b}*.py; do
-        # shellcheck disable=SC2086
-        TWINSPARK_BENCH_OUT="$OUT/bench" PYTHONPATH=python python3 "$f" $BENCH_ARGS 2>&1 | tee -a "$OUT/bench.log" || fail 30
-      done
-    done
+    run_bench_files . "$OUT/bench"
   else
     # shellcheck disable=SC2086
     python3 bench/run.py $BENCH --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || fail 30
