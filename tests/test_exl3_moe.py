@@ -9,7 +9,7 @@ from twinspark import moe_layout as ml
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
 from twinspark.ops import exl3_moe
-from twinspark.ops.exl3_moe import plan_launch
+from twinspark.ops.exl3_moe import GATE_UP_BLOCKS_PER_SM, plan_launch
 from twinspark.reference.exl3_moe import exl3_moe as reference_moe
 from twinspark.testing import rel_l2
 
@@ -186,6 +186,19 @@ def test_plan_launch_covers_every_item():
                 assert 1 <= s <= kbs and (s - 1) * -(-kbs // s) < kbs, "an empty k-split part"
                 assert cfg["mt"] == 1 or P > 64
                 assert cfg["down_min_blocks"] in (2, 3)
+                groups, ns = cfg["max_items"] * (1152 // 128), cfg["short_groups"]
+                assert 0 <= ns <= groups and (ns == 0 or (cfg["mt"] == 1 and s >= 2)), cfg
+                if ns:  # the short groups' parts are whole too, and the mixed grid fits the SMs' gate/up slots
+                    assert (s - 2) * -(-kbs // (s - 1)) < kbs, cfg
+                    assert 2 * ns * (s - 1) + 2 * (groups - ns) * s <= GATE_UP_BLOCKS_PER_SM * 132, cfg
+
+
+def test_plan_launch_mixed_split_fills_the_gpu_at_one_token():
+    """T=1, top-6 at the model's shapes on an H200: 18 (item, 128 columns) groups in 3 parts and 36 in 4 make
+    exactly the 396 blocks that are resident at once; a forced split stays uniform."""
+    cfg = plan_launch(1, 6, 384, 5120, 1152, sms=132)
+    assert (cfg["splitk"], cfg["short_groups"], cfg["max_items"]) == (4, 18, 6)
+    assert plan_launch(4, 6, 384, 5120, 1152, sms=132)["short_groups"] == 0  # already two waves
 
 
 # ---------------------------------------------------------------- kernels (GPU)
@@ -236,6 +249,19 @@ def test_kernel_forced_splits(splitk, gen, cuda, monkeypatch):
     for T, top_k in ((1, 6), (3, 4), (8, 8)):
         got, want = _gpu_case(cuda, gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3)))
         assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} splitk={splitk}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, top_k, dup", [(1, 6, False), (1, 6, True), (1, 1, False), (1, 8, False)])
+def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
+    """The planned decode split at the model's dimensions, where (item, columns) groups differ in part count
+    (T=1, top-6: 3 and 4 parts); with duplicate ids fewer items than the grid covers are real."""
+    monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
+    ids = None
+    if dup:
+        ids = torch.tensor([[2, 5, 2, 7, 5, 2]], dtype=torch.int32)
+    got, want = _gpu_case(cuda, gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3)), ids=ids)
+    assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} dup={dup}"
 
 
 @pytest.mark.gpu

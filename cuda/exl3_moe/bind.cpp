@@ -22,7 +22,8 @@ void bind_exl3_moe(py::module_& m) {
          std::uintptr_t words, std::uintptr_t suh13, std::uintptr_t svh13, std::uintptr_t suh2, std::uintptr_t svh2,
          std::uintptr_t ws_int, std::uintptr_t ws_f32, std::uintptr_t act_counters, std::uintptr_t out, int T, int topk,
          int E, int H, int I, int first_expert, int max_words, int codebook, float limit, bool x_bf16, int mt,
-         int splitk, int max_items, int down_min_blocks, bool fuse_convert, bool small_route, std::uintptr_t stream) {
+         int splitk, int short_groups, int max_items, int down_min_blocks, bool fuse_convert, bool small_route,
+         std::uintptr_t stream) {
         using twinspark::ptr;
         twinspark::Exl3MoeArgs a{};
         a.x = ptr<const void>(x);
@@ -51,6 +52,7 @@ void bind_exl3_moe(py::module_& m) {
         a.x_bf16 = x_bf16;
         a.mt = mt;
         a.splitk = splitk;
+        a.short_groups = short_groups;
         a.max_items = max_items;
         a.down_min_blocks = down_min_blocks;
         a.fuse_convert = fuse_convert;
@@ -61,7 +63,7 @@ void bind_exl3_moe(py::module_& m) {
       py::arg("suh13"), py::arg("svh13"), py::arg("suh2"), py::arg("svh2"), py::arg("ws_int"), py::arg("ws_f32"),
       py::arg("act_counters"), py::arg("out"), py::arg("T"), py::arg("topk"), py::arg("E"), py::arg("H"), py::arg("I"),
       py::arg("first_expert"), py::arg("max_words"), py::arg("codebook"), py::arg("limit"), py::arg("x_bf16"),
-      py::arg("mt"), py::arg("splitk"), py::arg("max_items"), py::arg("down_min_blocks"), py::arg("fuse_convert"),
-      py::arg("small_route"), py::arg("stream"));
+      py::arg("mt"), py::arg("splitk"), py::arg("short_groups"), py::arg("max_items"), py::arg("down_min_blocks"),
+      py::arg("fuse_convert"), py::arg("small_route"), py::arg("stream"));
 }
 #endif

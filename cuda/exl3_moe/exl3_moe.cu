@@ -144,6 +144,9 @@ bool valid_args(const Exl3MoeArgs& a) {
          (!a.small_route || (a.mt == 1 && static_cast<long>(a.T) * a.topk <= 64)) &&
          // every k-split part is non-empty (each writes partial sums the down kernel reads)
          (a.splitk - 1) * ((a.H / 128 + a.splitk - 1) / a.splitk) < a.H / 128 && (a.mt != 1 || a.act_counters) &&
+         (a.mt == 1 || a.splitk == 1) && a.short_groups >= 0 && a.short_groups <= a.max_items * (a.I / 128) &&
+         (a.short_groups == 0 ||
+          (a.mt == 1 && a.splitk >= 2 && (a.splitk - 2) * ((a.H / 128 + a.splitk - 2) / (a.splitk - 1)) < a.H / 128)) &&
          (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3);
 }
 
@@ -215,6 +218,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.limit = a.limit;
   gp.x_bf16 = a.x_bf16;
   gp.splitk = a.splitk;
+  gp.short_groups = a.short_groups;
   gp.fuse_convert = a.fuse_convert;
   gp.down_min_blocks = a.down_min_blocks;
 

@@ -11,10 +11,11 @@
 //   ws_int / ws_f32: per-call workspaces of exl3_moe_workspace() elements (never shared between calls or streams).
 //   act_counters (mt = 1): the arrival counters of down's activations, zero before the call; the call leaves
 //   them zero (one buffer per stream may serve every call on that stream).
-//   mt (1 or 4): an item is up to 16*mt rows (pairs) of one expert; splitk >= 1 splits gate/up over k
-//   (each part writes its own partial sums; the down kernel adds them); max_items >= the item count of any
-//   routing (the grids' x extent); fuse_convert: the down kernel's last block per 128 columns writes `out`
-//   (else one more small launch); small_route (T*topk <= 64, mt = 1): no routing launch.
+//   mt (1 or 4): an item is up to 16*mt rows (pairs) of one expert; splitk >= 1 (1 at mt = 4) splits gate/up over k
+//   (each part writes its own partial sums; the down kernel adds them); short_groups (mt = 1): the first
+//   short_groups (item, 128 columns of I) groups take splitk - 1 parts (a grid that fills the SMs); max_items >= the
+//   item count of any routing (the grids' x extent); fuse_convert: the down kernel's last block per 128 columns writes
+//   `out` (else one more small launch); small_route (T*topk <= 64, mt = 1): no routing launch.
 // Launches: decode (small_route + fuse_convert): gate/up, down. Otherwise: route (+ zeroing), gate/up, down,
 // convert. No host sync: capturable in a CUDA graph.
 // mt = 1: the last gate/up block of each (item, 128 columns of I) makes down's fp16 activations for them
@@ -46,6 +47,7 @@ struct Exl3MoeArgs {
   float limit;  // < 0: no clamp
   bool x_bf16;
   int mt, splitk, max_items;
+  int short_groups;     // mt == 1: (item, 128 columns of I) groups split into splitk - 1 parts instead of splitk
   int down_min_blocks;  // mt == 1: the down kernel sized for 2 or 3 blocks per SM
   bool fuse_convert;
   bool small_route;  // T*topk <= 64 and mt == 1: the GEMM blocks route in shared memory (no routing launch)

@@ -62,7 +62,8 @@ struct GemmParams {
   bool small_route;  // P <= 64: every block routes for itself (no routing launch); gate/up zeroes out32
   float limit;       // < 0: none
   bool x_bf16;
-  int splitk;
+  int splitk;        // gate/up k-split parts (the gu32 slots); groups below short_groups use splitk - 1
+  int short_groups;  // 16-row gate/up: (item, 128 columns of I) groups, in order, split into splitk - 1 parts; 0: none
   bool fuse_convert;
   int down_min_blocks;  // host side: the 16-row down kernel's variant, sized for 2 or 3 blocks per SM
 };
@@ -159,7 +160,7 @@ __device__ __forceinline__ void route_small(const GemmParams& p, int item, RowTa
 // Hadamard, svh, SiLU(gate) * up (clamped), suh of down, input Hadamard.
 template <bool DOWN, bool SCALES_FIRST = false>
 __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows, int r, int e, int mat, int kb,
-                                      float (&v)[4]) {
+                                      int parts, float (&v)[4]) {
   const int lane = threadIdx.x & 31;
   const int col = kb * 128 + lane * 4;
   if constexpr (!DOWN) {
@@ -187,11 +188,11 @@ __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows
     // The k-split parts' loads of a round are all issued before any is used (a plain loop over the run-time part
     // count waited one L2 round trip per part).
     constexpr int kRound = 4;
-    for (int s0 = 0; s0 < p.splitk; s0 += kRound) {
+    for (int s0 = 0; s0 < parts; s0 += kRound) {
       float4 g4[kRound], u4[kRound];
 #pragma unroll
       for (int j = 0; j < kRound; ++j) {
-        const bool in = s0 + j < p.splitk;  // L2 loads: other blocks of the running grid wrote them (finish_act)
+        const bool in = s0 + j < parts;  // L2 loads: other blocks of the running grid wrote them (finish_act)
         g4[j] = in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part)) : make_float4(0.f, 0.f, 0.f, 0.f);
         u4[j] =
             in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part + p.I)) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -225,7 +226,7 @@ __device__ __forceinline__ void produce_a(const GemmParams& p, const RowTables& 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int r = warp; r < 16 * MT; r += kThreads / 32) {
     float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (r < rcnt) a_row<DOWN>(p, rows, r, e, mat, kb, v);
+    if (r < rcnt) a_row<DOWN>(p, rows, r, e, mat, kb, 1, v);  // 64-row items: gate/up is not split (one part)
     *reinterpret_cast<uint2*>(a + r * kAStride + lane * 4) = pack4_half(v);
   }
 }
@@ -242,7 +243,7 @@ __device__ __forceinline__ void produce_chunk(const GemmParams& p, const RowTabl
   for (int i = warp; i < rcnt * n; i += kThreads / 32) {
     const int r = i / n, j = i - r * n;
     float v[4];
-    a_row<false>(p, rows, r, e, mat, kb0 + j, v);
+    a_row<false>(p, rows, r, e, mat, kb0 + j, 0, v);
     *reinterpret_cast<uint2*>(a + (j * arows + r) * kAStride + lane * 4) = pack4_half(v);
   }
 }
@@ -270,22 +271,22 @@ __device__ __forceinline__ void copy_act_chunk(const GemmParams& p, const RowTab
 }
 
 // Gate/up, 16-row items, after the block stored its partial sums: one acquire-release arrival per (item, 128
-// columns of I); the last of the 2 * splitk blocks (gate and up, every k part) makes down's activations of those
+// columns of I); the last of the 2 * parts blocks (gate and up, every k part) makes down's activations of those
 // columns for the item's rows (a_row<true>: part sum, output Hadamards, svh, SiLU(gate) * up, suh of down, input
 // Hadamard) into p.act, and clears the counter. Every down block of the item then copies them (copy_act_chunk)
 // instead of building them again (40 times per item at H = 5120).
 __device__ __forceinline__ void finish_act(const GemmParams& p, const RowTables& rows, int item, int e, int rcnt,
-                                           int slice) {
+                                           int slice, int parts) {
   __shared__ bool last;
   int32_t* counter = p.act_counters + static_cast<size_t>(item) * (p.I / 128) + slice;
   __syncthreads();  // the block's partial sums are stored
-  if (threadIdx.x == 0) last = arrive_acq_rel(counter) == 2 * p.splitk - 1;
+  if (threadIdx.x == 0) last = arrive_acq_rel(counter) == 2 * parts - 1;
   __syncthreads();
   if (!last) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int r = warp; r < rcnt; r += kThreads / 32) {
     float v[4];
-    a_row<true, true>(p, rows, r, e, 2, slice, v);
+    a_row<true, true>(p, rows, r, e, 2, slice, parts, v);
     *reinterpret_cast<uint2*>(p.act + static_cast<size_t>(rows.pair[r]) * p.I + slice * 128 + lane * 4) = pack4_half(v);
   }
   if (threadIdx.x == 0) *counter = 0;
@@ -357,7 +358,7 @@ __device__ __forceinline__ void mma_kblock(const int16_t* tb, const __half* ab, 
 
 template <int CB, int MT, bool DOWN, int KA, bool HALF>
 __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
-                                          int mat, int slice, int kb0, int kb1) {
+                                          int mat, int slice, int part, int kb0, int kb1) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);  // int16 per tile
   constexpr int kRows = 16 * MT;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -437,8 +438,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
   // MT = 1 (transposed): acc[0][h][q] is row 8h + 2*(lane%4) + (q & 1), column lane/4 + 8*(q >> 1).
   const int fr = lane >> 2, fc = 2 * (lane & 3);
   if constexpr (MT == 1 && !DOWN) {
-    float* dst = p.gu32 + static_cast<size_t>(blockIdx.z) * p.P * 2 * p.I + static_cast<size_t>(mat) * p.I +
-                 slice * 128 + warp * 16 + fr;
+    float* dst = p.gu32 + static_cast<size_t>(part) * p.P * 2 * p.I + static_cast<size_t>(mat) * p.I + slice * 128 +
+                 warp * 16 + fr;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -447,8 +448,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
         if (r < rcnt) dst[static_cast<size_t>(rows.pair[r]) * 2 * p.I + 8 * (q >> 1)] = acc[0][h][q];
       }
   } else if constexpr (!DOWN) {
-    float* dst = p.gu32 + static_cast<size_t>(blockIdx.z) * p.P * 2 * p.I + static_cast<size_t>(mat) * p.I +
-                 slice * 128 + warp * 16 + fc;
+    float* dst = p.gu32 + static_cast<size_t>(part) * p.P * 2 * p.I + static_cast<size_t>(mat) * p.I + slice * 128 +
+                 warp * 16 + fc;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -501,10 +502,10 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
 // Rate of expert e's matrix from its words per tile; calls the body decoded for that rate.
 template <int CB, int MT, bool DOWN>
 __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
-                                              int mat, int slice, int kb0, int kb1) {
-#define TS_MOE_RATE(KA, HALF)                                                        \
+                                              int mat, int slice, int part, int kb0, int kb1) {
+#define TS_MOE_RATE(KA, HALF)                                                              \
   case 16 * KA + (HALF ? 8 : 0):                                                       \
-    gemm_body<CB, MT, DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, kb0, kb1); \
+    gemm_body<CB, MT, DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1); \
     break;
   switch (p.words[e * 3 + mat]) {
     TS_MOE_RATE(1, false)
@@ -524,13 +525,44 @@ __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, c
 #undef TS_MOE_RATE
 }
 
+// What one block computes: gate/up of (item, mat, 128 columns `slice`), k part `part` of `parts`; down: (item,
+// 128 output columns `slice`).
+struct Piece {
+  int item, mat, slice, part, parts;
+};
+
+// Gate/up with short_groups > 0 (16-row items, decode): a 1-D grid of pieces, largest first. The first
+// short_groups (item, slice) groups are split into splitk - 1 parts, the others into splitk, so the grid fills the
+// SMs' block slots without a second wave; blocks start in index order, spread over the SMs, so each SM gets at most
+// one of the larger pieces (T=1 at 5120/1152 on 132 SMs: 108 pieces of 12-14 k-blocks, 288 of 10, at most 34
+// k-blocks per SM against 42 for the uniform 3-part split). Within a part: groups in order, gate then up.
+// Otherwise the 3-D grid (item, mat * slices + slice, part).
+__device__ __forceinline__ Piece gate_up_piece(const GemmParams& p) {
+  const int slices = p.I / 128;
+  if (p.short_groups == 0) {
+    const int y = blockIdx.y, mat = y / slices;
+    return Piece{static_cast<int>(blockIdx.x), mat, y - mat * slices, static_cast<int>(blockIdx.z), p.splitk};
+  }
+  const int ns = p.short_groups, ps = p.splitk - 1, n_short = 2 * ns * ps;
+  int i = blockIdx.x, span, first, parts;
+  if (i < n_short) {
+    span = 2 * ns, first = 0, parts = ps;
+  } else {
+    i -= n_short;
+    span = (gridDim.x - n_short) / p.splitk, first = ns, parts = p.splitk;  // 2 * (long groups)
+  }
+  const int part = i / span, j = i - part * span, g = first + (j >> 1);
+  const int item = g / slices;
+  return Piece{item, j & 1, g - item * slices, part, parts};
+}
+
 // MINB: blocks per SM the registers are sized for. Gate/up of 16-row items 3 (80 registers); down of 16-row items 2
 // (104 registers) or 3 (80), chosen by the plan (python: plan_launch); 64-row items 2.
 template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2>
 __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
-  const int item = blockIdx.x;
+  const int item = DOWN ? static_cast<int>(blockIdx.x) : gate_up_piece(p).item;
   // The down kernel is launched with launch_pdl (common/pdl.cuh): once every gate/up block has started, its blocks
   // may take free SM slots, route and fetch their first weight tiles, and wait there for gate/up to finish.
   if constexpr (!DOWN) pdl_launch_dependents();
@@ -561,18 +593,12 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
   const int e = p.small_route ? rows.e : p.items[3 * item];
   const int rcnt = p.small_route ? rows.rcnt : p.items[3 * item + 2];
   const int rbeg = p.small_route ? 0 : p.items[3 * item + 1];
-  int mat, slice, kb0, kb1;
-  if constexpr (DOWN) {
-    mat = 2;
-    slice = blockIdx.y;
-    kb0 = 0;
-    kb1 = p.I / 128;
-  } else {
-    const int slices = p.I / 128;
-    mat = blockIdx.y / slices;
-    slice = blockIdx.y - mat * slices;
-    const int kbs = p.H / 128, per = (kbs + p.splitk - 1) / p.splitk;
-    kb0 = blockIdx.z * per;
+  const Piece pc = DOWN ? Piece{item, 2, static_cast<int>(blockIdx.y), 0, 1} : gate_up_piece(p);
+  const int mat = pc.mat, slice = pc.slice;
+  int kb0 = 0, kb1 = p.I / 128;
+  if constexpr (!DOWN) {
+    const int kbs = p.H / 128, per = (kbs + pc.parts - 1) / pc.parts;
+    kb0 = pc.part * per;
     kb1 = min(kbs, kb0 + per);
   }
   for (int r = threadIdx.x; r < rcnt; r += kThreads) {
@@ -582,8 +608,8 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
     if (DOWN) rows.weight[r] = p.topk_w[pair];
   }
   __syncthreads();
-  if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, kb0, kb1);
-  if constexpr (MT == 1 && !DOWN) finish_act(p, rows, item, e, rcnt, slice);
+  if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, pc.part, kb0, kb1);
+  if constexpr (MT == 1 && !DOWN) finish_act(p, rows, item, e, rcnt, slice, pc.parts);
   if constexpr (DOWN) pdl_wait();  // (returns at once: gemm_body waited) before the arrival on gate/up's counters
 
   if constexpr (DOWN) {
@@ -612,7 +638,9 @@ cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaSt
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(max_items, DOWN ? p.H / 128 : 2 * (p.I / 128), DOWN ? 1 : p.splitk);
+  const int groups = max_items * (p.I / 128), ns = p.short_groups;
+  const dim3 grid = !DOWN && ns > 0 ? dim3(2 * ns * (p.splitk - 1) + 2 * (groups - ns) * p.splitk)
+                                    : dim3(max_items, DOWN ? p.H / 128 : 2 * (p.I / 128), DOWN ? 1 : p.splitk);
   if (DOWN) return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();

@@ -29,6 +29,7 @@ _ID_DTYPES = (torch.int32, torch.int64)
 ACTIVATIONS = _reference.ACTIVATIONS
 MAX_EXPERTS = 4000  # the routing kernel counts in shared memory
 DECODE_MAX_PAIRS = 64  # T * top_k up to this: decode (2 launches: in-block routing, split-k, fused convert)
+GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers x 256 threads; moe_gemm.cuh MINB)
 
 
 def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, limit) -> None:
@@ -106,13 +107,29 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     forced = os.environ.get("TWINSPARK_EXL3_MOE_SPLITK", "")  # benchmark sweeps (bench_exl3_moe.py --sweep)
     if decode and forced:
         splitk = max(1, min(kblocks, int(forced)))
-    splitk = -(-kblocks // -(-kblocks // splitk))  # no empty part: every part writes its partial sums
+    splitk = _whole_parts(kblocks, splitk)
+    # Decode: where the split leaves gate/up block slots empty (GATE_UP_BLOCKS_PER_SM per SM), as many (item,
+    # 128 columns) groups as fill them take one part more; the kernel starts the larger pieces first, one per SM
+    # (T=1 at 5120/1152 on 132 SMs: 18 groups in 3 parts and 36 in 4 = 396 blocks; at most 34 k-blocks per SM
+    # instead of 42). A forced split stays uniform.
+    short_groups = 0
+    groups = max_items * (inter // 128)
+    room = GATE_UP_BLOCKS_PER_SM * sms - 2 * groups * splitk
+    if decode and not forced and room >= 2 and _whole_parts(kblocks, splitk + 1) == splitk + 1:
+        long_groups = min(groups, room // 2)
+        splitk, short_groups = splitk + 1, groups - long_groups
     # The 16-row down kernel: 3 blocks per SM (80 registers) once its grid is more than 2 per SM, else 2 (104).
     # H200, 2026-12-01 (exl3_moe_v12_act / v13_down3 logs): 3 per SM is 3-5% faster at T=4 and T=8, but 5-10%
     # slower at T=1 (240 blocks): the extra room lets the down blocks pile onto the SMs that finish gate/up first.
     down_min_blocks = 3 if max_items * (hidden // 128) > 2 * sms else 2
-    return dict(mt=mt, splitk=splitk, max_items=max_items, fuse_convert=decode, small_route=decode,
-                down_min_blocks=down_min_blocks)
+    return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
+                small_route=decode, down_min_blocks=down_min_blocks)
+
+
+def _whole_parts(kblocks: int, parts: int) -> int:
+    """The part count the kernel's ceil-sized parts really make of kblocks (none empty: every part writes its
+    partial sums)."""
+    return -(-kblocks // -(-kblocks // parts))
 
 
 def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
@@ -143,7 +160,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             ws_int.data_ptr(), ws_f32.data_ptr(), act_counters, out.data_ptr(),
             T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
-            cfg["mt"], cfg["splitk"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
+            cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
             cfg["small_route"], _ext.stream_ptr(dev),
         )
     return out
