@@ -35,6 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=12288, help="gemm: output features")
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--kernels", action="store_true", help="print per-kernel GPU time (torch.profiler) instead")
+    ap.add_argument("--trace", action="store_true",
+                    help="moe: print the per-block timeline of the last of --calls layers (common/trace.cuh)")
+    ap.add_argument("--warm", action="store_true",
+                    help="--trace: every call on the same routing (its weights stay in L2: no DRAM latency)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(7)
@@ -47,6 +51,9 @@ def main(argv=None) -> int:
             ids, w = bm.routing(a.T, dev, gen)
             x = torch.randn(a.T, bm.H, device=dev, generator=gen).bfloat16()
             _kernels(f"exl3_moe K={a.K} T={a.T}", lambda: exl3_moe(x, ids, w, ex), a.calls)
+            return 0
+        if a.trace:
+            _trace_moe(ex, a.T, a.calls, bm, dev, gen, a.warm)
             return 0
         for _ in range(a.calls):
             ids, w = bm.routing(a.T, dev, gen)
@@ -68,6 +75,60 @@ def main(argv=None) -> int:
             exl3_gemm(x, layer)
     torch.cuda.synchronize()
     return 0
+
+
+def _trace_moe(ex, T, calls, bm, dev, gen, warm) -> None:
+    """Layers back to back on fresh routings (weights from DRAM; warm: one routing, weights in L2), the last one
+    with per-block marks; prints when the gate/up and down blocks ran (µs from the first gate/up start), their
+    phases, and how many ran at once."""
+    import importlib
+
+    from twinspark import _ext
+
+    if not _ext.module().trace_built:
+        raise SystemExit("--trace needs a build with the marks compiled in: TWINSPARK_TRACE=1 pip install "
+                         "--no-build-isolation --no-deps . (cuda/common/trace.cuh)")
+    mod = importlib.import_module("twinspark.ops.exl3_moe")  # the package exports the function under this name
+    buf = torch.zeros(_ext.module().trace_shape, dtype=torch.int64, device=dev)
+    for i in range(calls):
+        if i == 0 or not warm:
+            ids, w = bm.routing(T, dev, gen)
+            x = torch.randn(T, bm.H, device=dev, generator=gen).bfloat16()
+        mod._kernel(x, ids, w, ex.trellis, ex.offsets, ex.words, ex.suh13, ex.svh13, ex.suh2, ex.svh2,
+                    ex.first_expert, ex.max_words, ex.codebook, None, trace=buf if i == calls - 1 else None)
+    torch.cuda.synchronize()
+    rows = buf.cpu()
+    ran = [rows[k][rows[k][:, 0] > 0] for k in range(2)]
+    t0 = int(ran[0][:, 1].min())
+    us = lambda v: (v.double() - t0) / 1e3  # noqa: E731
+    print(f"exl3_moe K={ex.max_words // 16} T={T}{' (warm: weights in L2)' if warm else ''}: per-block marks of "
+          "one layer (µs from the first gate/up start)")
+    for k, name in enumerate(("gate/up", "down")):
+        r = ran[k]
+        work = r[r[:, 2] > 0]  # blocks past the item count return before mark 2
+        q = lambda v: " / ".join(f"{float(v.quantile(p)):6.1f}" for p in (0.0, 0.5, 1.0))  # noqa: E731
+        print(f"  {name}: {len(r)} blocks ran on {len(set(r[:, 0].tolist()))} SMs, {len(work)} with work "
+              f"(min / median / max)")
+        print(f"    start        {q(us(r[:, 1]))}")
+        print(f"    body begins  {q(us(work[:, 2]))}   (routing and rows: {q((work[:, 2] - work[:, 1]) / 1e3)})")
+        print(f"    body ends    {q(us(work[:, 3]))}   (body: {q((work[:, 3] - work[:, 2]) / 1e3)})")
+        print(f"    end          {q(us(work[:, 4]))}")
+        last = work[work[:, 5] > 0]
+        if len(last):
+            what = "activations made" if k == 0 else "columns converted"
+            print(f"    {what} by {len(last)} blocks: from {q(us(last[:, 5]))} to {q(us(last[:, 4]))}")
+        per_sm = defaultdict(list)
+        for row in r.tolist():
+            per_sm[row[0]].append(row)
+        ends = torch.tensor([max(b[4] for b in bs) for bs in per_sm.values()], dtype=torch.int64)
+        counts = torch.tensor([len(bs) for bs in per_sm.values()], dtype=torch.float64)
+        print(f"    per SM: blocks {q(counts)}, last end {q(us(ends))}")
+    edges = torch.arange(0, float(us(torch.cat([ran[0][:, 4], ran[1][:, 4]])).max()) + 2, 2.0)
+    line = "  running at once (2 µs bins; gate/up | down):"
+    for lo in edges.tolist():
+        n = [int(((us(ran[k][:, 1]) < lo + 2) & (us(ran[k][:, 4]) > lo)).sum()) for k in range(2)]
+        line += f"\n    {lo:5.0f}  {n[0]:4d} | {n[1]:4d}"
+    print(line)
 
 
 def _kernels(label, fn, calls) -> None:

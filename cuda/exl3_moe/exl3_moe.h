@@ -51,6 +51,8 @@ struct Exl3MoeArgs {
   int down_min_blocks;  // mt == 1: the down kernel sized for 2 or 3 blocks per SM
   bool fuse_convert;
   bool small_route;  // T*topk <= 64 and mt == 1: the GEMM blocks route in shared memory (no routing launch)
+  uint64_t* trace;   // null, or a buffer of trace_shape for per-block timeline marks (common/trace.cuh; a
+                     // TWINSPARK_TRACE=1 build writes it, any other ignores it)
 };
 
 // Workspace sizes in elements. ws_int: sorted pairs [P], pair ranks [P], items [3 * max_items], item count [1],

@@ -29,6 +29,7 @@
 
 #include "common/arrive.cuh"
 #include "common/pdl.cuh"
+#include "common/trace.cuh"
 #include "exl3_moe/moe_device.cuh"
 
 namespace twinspark {
@@ -66,6 +67,9 @@ struct GemmParams {
   int short_groups;  // 16-row gate/up: (item, 128 columns of I) groups, in order, split into splitk - 1 parts; 0: none
   bool fuse_convert;
   int down_min_blocks;  // host side: the 16-row down kernel's variant, sized for 2 or 3 blocks per SM
+  uint64_t* trace;      // null, or per-block timeline marks (common/trace.cuh): kernel 0 gate/up, 1 down; slots
+                        // 1 start, 2 routed (body begins), 3 body done (partials stored / down atomics), 4 end,
+                        // 5 the block is the one that makes the activations (gate/up) or converts (down)
 };
 
 // 16-row items: k-blocks of A built at once (16 rows * 272 B each). Down: 10, so an intermediate size up to 1280
@@ -283,6 +287,7 @@ __device__ __forceinline__ void finish_act(const GemmParams& p, const RowTables&
   if (threadIdx.x == 0) last = arrive_acq_rel(counter) == 2 * parts - 1;
   __syncthreads();
   if (!last) return;
+  trace_mark(p.trace, 0, 5);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int r = warp; r < rcnt; r += kThreads / 32) {
     float v[4];
@@ -563,6 +568,7 @@ template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 4 : 2>
 __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
+  trace_mark(p.trace, DOWN, 1);
   const int item = DOWN ? static_cast<int>(blockIdx.x) : gate_up_piece(p).item;
   // The down kernel is launched with launch_pdl (common/pdl.cuh): once every gate/up block has started, its blocks
   // may take free SM slots, route and fetch their first weight tiles, and wait there for gate/up to finish.
@@ -609,7 +615,9 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
     if (DOWN) rows.weight[r] = p.topk_w[pair];
   }
   __syncthreads();
+  trace_mark(p.trace, DOWN, 2);
   if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, pc.part, kb0, kb1);
+  trace_mark(p.trace, DOWN, 3);
   if constexpr (MT == 1 && !DOWN) finish_act(p, rows, item, e, rcnt, slice, pc.parts);
   if constexpr (DOWN) pdl_wait();  // (returns at once: gemm_body waited) before the arrival on gate/up's counters
 
@@ -621,9 +629,13 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
       __syncthreads();
       if (threadIdx.x == 0) last = arrive_acq_rel(p.counters + blockIdx.y) == nitems - 1;
       __syncthreads();
-      if (last) convert_columns(p, blockIdx.y * 128);
+      if (last) {
+        trace_mark(p.trace, 1, 5);
+        convert_columns(p, blockIdx.y * 128);
+      }
     }
   }
+  trace_mark(p.trace, DOWN, 4);
 }
 
 // Host side: launch one kernel of the family (defined per codebook in gemm_<codebook>.cu).

@@ -139,7 +139,9 @@ def _whole_parts(kblocks: int, parts: int) -> int:
 
 
 def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
-            codebook, limit):
+            codebook, limit, trace=None):
+    """The launch. trace: None, or a zeroed int64 tensor of shape _ext.module().trace_shape on x's device that the
+    kernels fill with per-block timeline marks (common/trace.cuh; bench/profile_exl3.py --trace reads it)."""
     T, hidden = x.shape
     top_k = ids.shape[1]
     E, inter = svh13.shape[0], svh13.shape[-1]
@@ -167,7 +169,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
-            cfg["small_route"], _ext.stream_ptr(dev),
+            cfg["small_route"], _ext.stream_ptr(dev), 0 if trace is None else trace.data_ptr(),
         )
     return out
 
