@@ -194,11 +194,11 @@ def test_plan_launch_covers_every_item():
 
 
 def test_plan_launch_mixed_split_fills_the_gpu_at_one_token():
-    """T=1, top-6 at the model's shapes on an H200: 6 (item, 128 columns) groups in 4 parts and 48 in 5 make
-    exactly the 528 blocks that are resident at once; a forced split stays uniform."""
+    """T=1, top-6 at the model's shapes on an H200: 18 (item, 128 columns) groups in 3 parts and 36 in 4 make
+    exactly the 396 blocks that are resident at once; a forced split stays uniform."""
     cfg = plan_launch(1, 6, 384, 5120, 1152, sms=132)
-    assert (cfg["splitk"], cfg["short_groups"], cfg["max_items"]) == (5, 6, 6)
-    assert 2 * 6 * 4 + 2 * 48 * 5 == GATE_UP_BLOCKS_PER_SM * 132
+    assert (cfg["splitk"], cfg["short_groups"], cfg["max_items"]) == (4, 18, 6)
+    assert 2 * 18 * 3 + 2 * 36 * 4 == GATE_UP_BLOCKS_PER_SM * 132
     assert plan_launch(4, 6, 384, 5120, 1152, sms=132)["short_groups"] == 0  # already two waves
 
 

@@ -539,8 +539,8 @@ struct Piece {
 // Gate/up with short_groups > 0 (16-row items, decode): a 1-D grid of pieces, largest first. The first
 // short_groups (item, slice) groups are split into splitk - 1 parts, the others into splitk, so the grid fills the
 // SMs' block slots without a second wave; blocks start in index order, spread over the SMs, so each SM gets at most
-// one of the larger pieces (T=1 at 5120/1152 on 132 SMs, 4 blocks per SM: 48 pieces of 10 k-blocks, 480 of 8, at
-// most 34 k-blocks per SM against 42 for the uniform 3-part split). Within a part: groups in order, gate then up.
+// one of the larger pieces (T=1 at 5120/1152 on 132 SMs: 108 pieces of 12-14 k-blocks, 288 of 10, at most 34
+// k-blocks per SM against 42 for the uniform 3-part split). Within a part: groups in order, gate then up.
 // Otherwise the 3-D grid (item, mat * slices + slice, part).
 __device__ __forceinline__ Piece gate_up_piece(const GemmParams& p) {
   const int slices = p.I / 128;
@@ -561,10 +561,9 @@ __device__ __forceinline__ Piece gate_up_piece(const GemmParams& p) {
   return Piece{item, j & 1, g - item * slices, part, parts};
 }
 
-// MINB: blocks per SM the registers are sized for. Gate/up of 16-row items 4 (64 registers, 24 B of spills outside the
-// tile loop; 1-2% faster than 3 at T=2..8, exl3_moe_v16_gate_up4_ab_h200.log); down of 16-row items 2
+// MINB: blocks per SM the registers are sized for. Gate/up of 16-row items 3 (80 registers); down of 16-row items 2
 // (104 registers) or 3 (80), chosen by the plan (python: plan_launch); 64-row items 2.
-template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 4 : 2>
+template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2>
 __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
@@ -642,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
 template <int CB>
 cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, cudaStream_t stream);
 
-template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 4 : 2>
+template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2>
 cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaStream_t stream) {
   const size_t smem = gemm_smem_bytes(MT, DOWN, max_words);
   auto kernel = moe_gemm_kernel<CB, MT, DOWN, MINB>;

@@ -29,7 +29,7 @@ _ID_DTYPES = (torch.int32, torch.int64)
 ACTIVATIONS = _reference.ACTIVATIONS
 MAX_EXPERTS = 4000  # the routing kernel counts in shared memory
 DECODE_MAX_PAIRS = 64  # T * top_k up to this: decode (2 launches: in-block routing, split-k, fused convert)
-GATE_UP_BLOCKS_PER_SM = 4  # the 16-row gate/up kernel's residency (64 registers x 256 threads; moe_gemm.cuh MINB)
+GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers x 256 threads; moe_gemm.cuh MINB)
 
 
 def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, limit) -> None:
@@ -108,19 +108,15 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     if decode and forced:
         splitk = max(1, min(kblocks, int(forced)))
     splitk = _whole_parts(kblocks, splitk)
-    # Decode: where the split leaves gate/up block slots empty (GATE_UP_BLOCKS_PER_SM per SM), every (item, 128
-    # columns) group takes more parts while all still fit (up to twice the swept split), then as many groups as
-    # fill the rest take one part more; the kernel starts the larger pieces first, one per SM. T=1 at 5120/1152 on
-    # 132 SMs: 6 groups in 4 parts and 48 in 5 = 528 blocks, at most 34 k-blocks per SM instead of 42 (H200,
-    # same-run A/B, exl3_moe_v16_mixed_split_ab_h200.log: T=1 -3..6%). A forced split stays uniform.
+    # Decode: where the split leaves gate/up block slots empty (GATE_UP_BLOCKS_PER_SM per SM), as many (item,
+    # 128 columns) groups as fill them take one part more; the kernel starts the larger pieces first, one per SM
+    # (T=1 at 5120/1152 on 132 SMs: 18 groups in 3 parts and 36 in 4 = 396 blocks; at most 34 k-blocks per SM
+    # instead of 42). H200, same-run A/B (exl3_moe_v16_mixed_split_ab_h200.log): T=1 -6.1 / -4.4..5.2 / -3.1% at
+    # K=2/3/4. A forced split stays uniform. (Sized for 4 blocks per SM, 64 registers, with 4 and 5 parts: K=2/3
+    # 1-2% faster at T >= 2 but K=4 T=1 +10%: exl3_moe_gate_up4_k4_check_ab_h200.log; not kept.)
     short_groups = 0
     groups = max_items * (inter // 128)
-    slots = GATE_UP_BLOCKS_PER_SM * sms
-    base = splitk
-    while (decode and not forced and splitk < 2 * base and 2 * groups * (splitk + 1) <= slots
-           and _whole_parts(kblocks, splitk + 1) == splitk + 1):
-        splitk += 1
-    room = slots - 2 * groups * splitk
+    room = GATE_UP_BLOCKS_PER_SM * sms - 2 * groups * splitk
     if decode and not forced and room >= 2 and _whole_parts(kblocks, splitk + 1) == splitk + 1:
         long_groups = min(groups, room // 2)
         splitk, short_groups = splitk + 1, groups - long_groups
