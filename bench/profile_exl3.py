@@ -10,6 +10,8 @@ bf16 dense x @ W of the same shape). Pick a GEMM path with TWINSPARK_EXL3_GEMM_V
 Kernels launched with programmatic dependent launch count their wait for the kernel before them.
 
     TWINSPARK_EXL3_GEMM_VARIANT=large python bench/profile_exl3.py gemm --m 1024 --kernels
+
+moe --trace: the per-block timeline of one layer (a TWINSPARK_TRACE=1 build; cuda/common/trace.cuh).
 """
 
 from __future__ import annotations
