@@ -1,8 +1,9 @@
 // Per-block timeline marks for kernel developers: where a launch's time goes, block by block (which SM, when it
 // started, when each phase ended), from the GPU's global nanosecond timer. A kernel takes a `uint64_t* trace`
 // (null: off) laid out [kernel][kTraceBlocks][kTraceSlots]; slot 0 holds the SM id, slots 1.. the marks.
-// Compiled in only when the package is built with TWINSPARK_TRACE=1 (elsewhere a mark is nothing: the marks cost
-// the 64-register gate/up kernel of exl3_moe 8 more bytes of spills). Readers: bench/profile_exl3.py --trace.
+// Compiled in only when the package is built with TWINSPARK_TRACE=1 (elsewhere a mark is nothing: with the marks,
+// exl3_moe's 80-register gate/up kernel spills 20 bytes on sm_90a, none without). Readers: bench/profile_exl3.py
+// --trace.
 #pragma once
 #include <stdint.h>
 
