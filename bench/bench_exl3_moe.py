@@ -8,13 +8,17 @@ weights come from DRAM: the layer's experts are 1.3-3.4 GB, far past the 60 MB L
 experts a call routes to, averaged over the ring), the upstream H200 anchor, and the baseline "reconstruct the
 touched experts (twinspark exl3_reconstruct) + torch matmuls" timed in the same run (its routing bookkeeping is
 done on the host outside the timed region: that favours the baseline). Then the targets and a GB10 prediction.
+Writes exl3_moe.json (benchkit) and exl3_moe.png (µs per layer vs T for each K, with the upstream anchors, the
+baseline and the targets).
 
     python bench/bench_exl3_moe.py [--quick] [--no-baseline]
+    python bench/bench_exl3_moe.py --plot-only bench/results/exl3_moe.json   # redraw the PNG (no GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -148,7 +152,17 @@ def main(argv=None) -> int:
                     help="also time K=3, T in {1, 2, 4, 8} at every gate/up split-k (to tune plan_launch)")
     ap.add_argument("--ts", type=lambda s: tuple(int(v) for v in s.split(",")), help="T values (default: all)")
     ap.add_argument("--ks", type=lambda s: tuple(int(v) for v in s.split(",")), help="K values (default: 2,3,4)")
+    ap.add_argument("--plot-only", metavar="JSON", type=Path,
+                    help="only draw the PNG (beside JSON) from a results file this benchmark wrote; no GPU needed")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        try:
+            png = plot(bk.load_results(args.plot_only)["records"], args.plot_only.with_suffix(".png"))
+        except bk.BenchError as e:
+            print(f"bench_exl3_moe: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {png}")
+        return 0
     dev = torch.device("cuda")
     copy = bk.copy_ceiling_gbps(dev)
     anchors = bk.load_anchors()
@@ -212,8 +226,51 @@ def main(argv=None) -> int:
             print(f"  K={r.shape['K']} T=2048: x{ratio:.2f} vs baseline -> {'met' if ratio >= 1.5 else 'NOT met'}")
     if args.sweep:
         sweep(dev, gen)
-    bk.write_results("exl3_moe", records, ceilings={"copy_gbps": copy})
+    path = bk.write_results("exl3_moe", records, ceilings={"copy_gbps": copy})
+    print(f"wrote {path} and {plot(records, path.with_name('exl3_moe.png'))}")
     return 0
+
+
+TARGETS_US = {1: 30.0, 4: 60.0}  # issue 4: µs per layer at T=1 and T=4 (H200)
+
+
+def plot(records, png: Path) -> Path:
+    """µs per layer vs T (log-log) for each K: twinspark, the upstream anchors, the reconstruct + torch baseline, and
+    the T=1 / T=4 targets. Written to a temp name, then renamed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in records if r.op == "exl3_moe"]
+    if not recs:
+        raise bk.BenchError(f"no exl3_moe records to plot for {png}; run bench/bench_exl3_moe.py on a GPU first")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for K, color in zip(sorted({r.shape["K"] for r in recs}), ("tab:blue", "tab:green", "tab:purple", "tab:orange")):
+        mine = sorted((r.shape["T"], r.median_us) for r in recs if r.shape["K"] == K and r.variant == "twinspark")
+        if mine:
+            ax.plot(*zip(*mine), "o-", color=color, label=f"twinspark K={K}")
+        up = sorted((r.shape["T"], r.anchor_us) for r in recs
+                    if r.shape["K"] == K and r.variant == "twinspark" and r.anchor_us)
+        if up:
+            ax.plot(*zip(*up), "x--", color=color, alpha=0.6, label=f"upstream K={K}")
+        base = sorted((r.shape["T"], r.median_us) for r in recs if r.shape["K"] == K and r.variant != "twinspark")
+        if base:
+            ax.plot(*zip(*base), ":", color=color, alpha=0.6, label=f"reconstruct + torch K={K}")
+    ax.plot(list(TARGETS_US), list(TARGETS_US.values()), "r*", ms=12, label="targets (T=1, T=4)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T (tokens)")
+    ax.set_ylabel("µs per layer (H200, L2-cold)")
+    ax.set_title(f"exl3_moe: {E} experts, {H}/{INTER}, top-{TOP_K}, mul1")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return png
 
 
 if __name__ == "__main__":

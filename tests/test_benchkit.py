@@ -323,3 +323,36 @@ def test_predict_gb10_large_us_bandwidth_then_compute():
     assert abs(p["us"] - (p["dequant_us"] + p["matmul_us"] + 2 * bk.GB10_LAUNCH_US)) < 1e-9
     q = bk.predict_gb10_large_us(k, n, 8192, w / 8, 0, 0)
     assert abs(q["matmul_us"] - 2.0 * 8192 * k * n / bk.GB10_BF16_FLOPS * 1e6) < 1e-6
+
+
+def test_bench_exl3_moe_plot_only_redraws_the_png(tmp_path, capsys):
+    """bench_exl3_moe.py --plot-only: the PNG from a results file, no GPU (records of two K with a baseline and
+    anchors); a missing or foreign file is one clear line and exit status 2, with nothing written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_exl3_moe", REPO / "bench" / "bench_exl3_moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    recs = []
+    for K in (2, 3):
+        for T, us in ((1, 40.0 + K), (4, 130.0 + K), (2048, 9000.0)):
+            shape = {"E": 384, "H": 5120, "I": 1152, "top_k": 6, "K": K, "T": T}
+            recs.append(bk.Record(op="exl3_moe", shape=shape, median_us=us, anchor_us=1.5 * us))
+            recs.append(bk.Record(op="exl3_moe", shape=dict(shape), median_us=5 * us, variant="reconstruct+torch.mm"))
+    path = bk.write_results("exl3_moe", recs, out_dir=tmp_path, machine={"gpu": "test"})
+    assert mod.main(["--plot-only", str(path)]) == 0
+    png = tmp_path / "exl3_moe.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exl3_moe.json", "exl3_moe.png"]  # no temp file left
+    assert str(png) in capsys.readouterr().out
+
+    bad = tmp_path / "other.json"
+    bad.write_text('{"name": "x"}')
+    gemm = bk.write_results("exl3_gemm", [bk.Record(op="exl3_gemm", shape={"m": 1}, median_us=5.0)], out_dir=tmp_path,
+                            machine={})
+    for f, why in ((bad, "is not a benchkit results file"), (tmp_path / "missing.json", "is not a benchkit results file"),
+                   (gemm, "no exl3_moe records to plot")):
+        assert mod.main(["--plot-only", str(f)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and why in err
+    assert not any((tmp_path / n).exists() for n in ("other.png", "missing.png", "exl3_gemm.png"))
