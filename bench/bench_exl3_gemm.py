@@ -276,11 +276,7 @@ def plot(records, png: Path) -> Path:
     axes[0].set_ylabel("µs per call (H200, L2-cold)")
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, png)
-    return png
+    return bk.save_figure(fig, png)
 
 
 if __name__ == "__main__":

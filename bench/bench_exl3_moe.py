@@ -120,8 +120,6 @@ class Baseline:
 
 def sweep(dev, gen) -> None:
     """Decode time at each gate/up split-k (TWINSPARK_EXL3_MOE_SPLITK), K=3: what plan_launch should pick."""
-    import os
-
     ex = make_experts(3.0, dev)
     print("\nsplit-k sweep (K=3, us per layer):")
     for T in (1, 2, 4, 8):
@@ -266,11 +264,7 @@ def plot(records, png: Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, png)
-    return png
+    return bk.save_figure(fig, png)
 
 
 if __name__ == "__main__":

@@ -118,10 +118,7 @@ def _plot(bars, png: Path) -> None:
     a1.set_yticks(y, labels, fontsize=7)
     a1.invert_yaxis()
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, png)
+    bk.save_figure(fig, png, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

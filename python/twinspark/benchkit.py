@@ -459,6 +459,21 @@ def write_results(name: str, records: Iterable[Record], out_dir: str | os.PathLi
     return path
 
 
+def save_figure(fig, png: str | os.PathLike, dpi: int = 100) -> Path:
+    """Write a matplotlib figure to ``png`` (temp name, then rename: never a half-written PNG) and close it."""
+    import matplotlib.pyplot as plt
+
+    png = Path(png)
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, png)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return png
+
+
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
     """A results file back: {"name", "machine", "ceilings", "records": [Record, ...]}."""
     p = Path(path)
