@@ -137,16 +137,20 @@ __global__ void convert_kernel(const float4* __restrict__ src, void* dst, size_t
   }
 }
 
+// kbs k-blocks cut into `parts` ceil-sized parts leave none empty (every part writes partial sums the down kernel
+// reads; python: _whole_parts).
+constexpr bool parts_nonempty(int kbs, int parts) {
+  return parts >= 1 && (parts - 1) * ((kbs + parts - 1) / parts) < kbs;
+}
+
 bool valid_args(const Exl3MoeArgs& a) {
   return a.T > 0 && a.topk >= 1 && a.topk <= 64 && a.E >= 1 && a.E <= kMaxExperts && a.H > 0 && a.H % 128 == 0 &&
          a.I > 0 && a.I % 128 == 0 && (a.mt == 1 || a.mt == 4) && a.splitk >= 1 && a.splitk <= a.H / 128 &&
          a.max_items >= 1 && a.max_words >= 16 && a.max_words <= 128 && a.codebook >= 0 && a.codebook <= 2 &&
          (!a.small_route || (a.mt == 1 && static_cast<long>(a.T) * a.topk <= 64)) &&
-         // every k-split part is non-empty (each writes partial sums the down kernel reads)
-         (a.splitk - 1) * ((a.H / 128 + a.splitk - 1) / a.splitk) < a.H / 128 && (a.mt != 1 || a.act_counters) &&
-         (a.mt == 1 || a.splitk == 1) && a.short_groups >= 0 && a.short_groups <= a.max_items * (a.I / 128) &&
-         (a.short_groups == 0 ||
-          (a.mt == 1 && a.splitk >= 2 && (a.splitk - 2) * ((a.H / 128 + a.splitk - 2) / (a.splitk - 1)) < a.H / 128)) &&
+         parts_nonempty(a.H / 128, a.splitk) && (a.mt != 1 || a.act_counters) && (a.mt == 1 || a.splitk == 1) &&
+         a.short_groups >= 0 && a.short_groups <= a.max_items * (a.I / 128) &&
+         (a.short_groups == 0 || (a.mt == 1 && parts_nonempty(a.H / 128, a.splitk - 1))) &&
          (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3);
 }
 
