@@ -2,7 +2,7 @@
 # One-call recipe for the lent GPU machine (the `run` tool): build, GPU tests, benchmarks, logs under $OUT.
 #
 #   scripts/device-run.sh [-t "tests/test_a.py tests/test_b.py"] [-k PYTEST_K] [-b "exl3 moe"] [-B "bench args"]
-#                         [--no-build] [--archs 90a] [--ab .ab/base [--ab-rounds 2]]
+#                         [--no-build] [--archs 90a] [--ab .ab/base | --env-ab VAR] [--ab-rounds 2]
 #
 #   -t  test files/node ids for `pytest -m gpu` (default: none; "all" = tests/test_*.py)
 #   -k  pytest -k expression          -b  benchmark names for bench/run.py (default: none)
@@ -10,6 +10,8 @@
 #   --ab DIR  same-machine A/B: DIR is a base source tree made here by scripts/ab-base.sh REV (carry ".ab");
 #       it is built beside this tree in the same call, and each -b benchmark (needs -B) runs on both,
 #       alternating "new" and "base" for --ab-rounds rounds; both land in $OUT/bench.log under "== new|base <round>"
+#   --env-ab VAR  same-build A/B of a switch read from the environment: each -b benchmark (needs -B) runs with VAR=1
+#       ("new") and VAR=0 ("base"), alternating for --ab-rounds rounds, under the same "== new|base <round>" headers
 # Logs: $OUT/build.log, $OUT/tests.log, $OUT/bench.log; bench results (JSON, PNG, report.md) in $OUT/bench/.
 # The `run` tool returns at most 8 files from $OUT (2 folders deep): keep what you write there few.
 # Every step runs even if an earlier one failed (one device call should tell as much as possible); the exit
@@ -19,7 +21,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/twinspark-out}"
 mkdir -p "$OUT"
-TESTS="" KEXPR="" BENCH="" BENCH_ARGS="" BUILD=1 ARCHS="${TWINSPARK_CUDA_ARCHS:-90a}" AB="" AB_ROUNDS=2
+TESTS="" KEXPR="" BENCH="" BENCH_ARGS="" BUILD=1 ARCHS="${TWINSPARK_CUDA_ARCHS:-90a}" AB="" ENV_AB="" AB_ROUNDS=2
 while [ $# -gt 0 ]; do
   case "$1" in
     -t) TESTS="$2"; shift 2 ;;
@@ -30,6 +32,7 @@ while [ $# -gt 0 ]; do
     --archs) ARCHS="$2"; shift 2 ;;
     --ab) AB="$2"; shift 2 ;;
     --ab-rounds) AB_ROUNDS="$2"; shift 2 ;;
+    --env-ab) ENV_AB="$2"; shift 2 ;;
     *) echo "device-run.sh: unknown argument $1 (see the header of this script)" >&2; exit 2 ;;
   esac
 done
@@ -96,6 +99,15 @@ if [ -n "$BENCH" ]; then
       echo "== base $r ($BENCH, $(cat "$AB/AB_REV" 2>/dev/null))" | tee -a "$OUT/bench.log"
       run_bench_files "$AB" "$OUT/bench/base"
     done
+  elif [ -n "$ENV_AB" ]; then
+    [ -n "$BENCH_ARGS" ] || { echo "device-run.sh: --env-ab needs -B \"ARGS\"" >&2; exit 2; }
+    for r in $(seq "$AB_ROUNDS"); do
+      echo "== new $r ($BENCH, $ENV_AB=1)" | tee -a "$OUT/bench.log"
+      export "$ENV_AB=1"; run_bench_files . "$OUT/bench/new"
+      echo "== base $r ($BENCH, $ENV_AB=0)" | tee -a "$OUT/bench.log"
+      export "$ENV_AB=0"; run_bench_files . "$OUT/bench/base"
+    done
+    unset "$ENV_AB"
   elif [ -n "$BENCH_ARGS" ]; then
     run_bench_files . "$OUT/bench"
   else

@@ -266,6 +266,32 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bytesum", ["0", "1"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_kernel_bytesum_rows(rows, bytesum, gen, cuda, monkeypatch):
+    """mul1 items of 1-4 rows take the byte-sum mma (x' as int8 hi/lo per row and k-block), 5 rows the fp16 decode;
+    both switch settings at the model's dimensions (x' chunks of 32 / 16 / 10 / 8 k-blocks in gate/up, whole
+    rates and a half rate). Row 1 is all zeros (a zero scale), row 2 has one channel 1000x the rest."""
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_BYTESUM", bytesum)
+    monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
+    ex = ml.random_experts(4, 5120, 1152, rates=[(2, 3, 4), (2.5, 2, 3), (3, 3, 2), (4, 2, 2)], codebook="mul1",
+                           generator=gen)
+    x, _, w = _inputs(gen, rows, 1, 4, 5120)
+    if rows > 1:
+        x[1] = 0
+    if rows > 2:
+        x[2, 77] = 1000 * x[2].abs().max()
+    for e in range(4):  # every pair on expert e: one item of `rows` rows
+        ids = torch.full((rows, 1), e, dtype=torch.int32)
+        got, want = _check_kernel(cuda, ex, ex.to(cuda), x, ids, w)
+        for r in range(rows):  # per token: the outlier row would hide the others' errors in one norm
+            if r == 1:
+                assert not got[r].any(), "a zero token must give a zero output"
+            else:
+                assert rel_l2(got[r], want[r]) <= TOL, f"expert {e} token {r}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("top_k", [3, 4, 5, 7])
 def test_kernel_other_top_k(top_k, gen, cuda):
     got, want = _gpu_case(cuda, gen, 5, top_k)

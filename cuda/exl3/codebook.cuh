@@ -31,10 +31,15 @@ cudaError_t with_codebook(int codebook, F&& f) {
   }
 }
 
+// mul1 as an affine map of the byte sum B of s * kMul1Mult: w = fp16_round(h * kMul1Scale + kMul1Shift), h = 1024 + B.
+constexpr uint32_t kMul1Mult = 0x83DCD12Du;
+constexpr float kMul1Scale = 0.00676727294921875f;  // f16 0x1EEE
+constexpr float kMul1Shift = -10.3828125f;          // f16 0xC931
+
 template <int CB>
 __device__ __forceinline__ half decode_state(uint32_t s) {
   if constexpr (CB == kCbMul1) {
-    const uint32_t x = s * 0x83DCD12Du;
+    const uint32_t x = s * kMul1Mult;
     // Sum of the four bytes with one instruction: dot of the byte vector with (1,1,1,1).
     const uint32_t b = __dp4a(x, 0x01010101u, 0u);
     const half h = __ushort_as_half(static_cast<unsigned short>(0x6400u + b));  // 1024 + b, exact

@@ -169,7 +169,7 @@ __device__ __forceinline__ uint32_t lane_state(uint32_t a0, uint32_t a1, uint32_
 template <int CB>
 __device__ __forceinline__ uint32_t decode_pair(uint32_t s0, uint32_t s1) {
   if constexpr (CB == kCbMul1) {
-    const uint32_t x0 = s0 * 0x83DCD12Du, x1 = s1 * 0x83DCD12Du;
+    const uint32_t x0 = s0 * kMul1Mult, x1 = s1 * kMul1Mult;
     // byte sum + 0x6400 in one dp4a each: the fp16 bits of 1024 + B
     const uint32_t h0 = __dp4a(x0, 0x01010101u, 0x6400u);
     const uint32_t h1 = __dp4a(x1, 0x01010101u, 0x6400u);
@@ -242,6 +242,23 @@ __device__ __forceinline__ void store_x4_dup(uint32_t* row, int lane, uint2 v) {
   const int w = 16 * (lane >> 2) + 4 * ((lane & 3) >> 1) + 2 * (lane & 1);
   *reinterpret_cast<uint2*>(row + w) = make_uint2(__byte_perm(v.x, 0, 0x1010), __byte_perm(v.y, 0, 0x1010));
   *reinterpret_cast<uint2*>(row + w + 8) = make_uint2(__byte_perm(v.x, 0, 0x3232), __byte_perm(v.y, 0, 0x3232));
+}
+
+// mul1 without its byte sum (the byte-sum mma of cuda/exl3_moe/moe_gemm.cuh): x[j] = state of position 8L + j times
+// kMul1Mult. The weight is the affine map of 1024 + (sum of x[j]'s four bytes); an integer mma against activations
+// repeated in four bytes adds those bytes, so the lane pays only the state cut and one IMAD per weight.
+template <int K>
+__device__ __forceinline__ void mul1_products(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&x)[8]) {
+  uint32_t a0, a1, a2;
+  lw.align(tile[lw.w0], tile[lw.w1], tile[lw.w2], a0, a1, a2);
+  x[0] = lane_state<K, 0>(a0, a1, a2) * kMul1Mult;
+  x[1] = lane_state<K, 1>(a0, a1, a2) * kMul1Mult;
+  x[2] = lane_state<K, 2>(a0, a1, a2) * kMul1Mult;
+  x[3] = lane_state<K, 3>(a0, a1, a2) * kMul1Mult;
+  x[4] = lane_state<K, 4>(a0, a1, a2) * kMul1Mult;
+  x[5] = lane_state<K, 5>(a0, a1, a2) * kMul1Mult;
+  x[6] = lane_state<K, 6>(a0, a1, a2) * kMul1Mult;
+  x[7] = lane_state<K, 7>(a0, a1, a2) * kMul1Mult;
 }
 
 // Decode this lane's 8 positions of one tile. `tile` = the tile's 8K u32 words (shared or global memory).

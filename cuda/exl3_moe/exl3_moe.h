@@ -49,6 +49,7 @@ struct Exl3MoeArgs {
   int mt, splitk, max_items;
   int short_groups;     // mt == 1: (item, 128 columns of I) groups split into splitk - 1 parts instead of splitk
   int down_min_blocks;  // mt == 1: the down kernel sized for 2 or 3 blocks per SM
+  bool bytesum;         // mt == 1, mul1: items of <= 4 rows use the byte-sum mma (moe_gemm.cuh); false: fp16 decode
   bool fuse_convert;
   bool small_route;  // T*topk <= 64 and mt == 1: the GEMM blocks route in shared memory (no routing launch)
   uint64_t* trace;   // null, or a buffer of trace_shape for per-block timeline marks (common/trace.cuh; a

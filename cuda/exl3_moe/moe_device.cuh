@@ -26,8 +26,9 @@ __host__ __device__ constexpr int rel_end_half(int j) {
   return j * KA + (j + 1) / 2;
 }
 
-template <int CB, int KA>
-__device__ __forceinline__ void decode_tile_half(const uint32_t* tw, int lane, uint32_t b[4]) {
+// The 8 states (clean 0..65535 values) of this lane's positions 8L..8L+7 at half rate KA + 0.5.
+template <int KA>
+__device__ __forceinline__ void half_states(const uint32_t* tw, int lane, uint32_t (&s)[8]) {
   constexpr int kWords32 = (16 * KA + 8) / 2;
   constexpr int kRing = kWords32 * 32;
   const int t1 = 8 * lane + 1;
@@ -41,13 +42,18 @@ __device__ __forceinline__ void decode_tile_half(const uint32_t* tw, int lane, u
   win[0] = __funnelshift_l(m, a, off);  // upper word of (a:m) << off
   win[1] = __funnelshift_l(c, m, off);
   win[2] = c << off;
-  uint32_t s[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int p = rel_end_half<KA>(j);  // compile-time after unrolling
     const int q = p >> 5, r = p & 31;
     s[j] = (r <= 16) ? ((win[q] >> (16 - r)) & 0xFFFFu) : (__funnelshift_l(win[q < 2 ? q + 1 : 2], win[q], r) >> 16);
   }
+}
+
+template <int CB, int KA>
+__device__ __forceinline__ void decode_tile_half(const uint32_t* tw, int lane, uint32_t b[4]) {
+  uint32_t s[8];
+  half_states<KA>(tw, lane, s);
 #pragma unroll
   for (int i = 0; i < 4; ++i) b[i] = exl3::decode_pair<CB>(s[2 * i], s[2 * i + 1]);
 }
@@ -66,6 +72,15 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint3
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// mma.m16n8k32 with unsigned 8-bit A, signed 8-bit B and int32 accumulators (sm_80+; the byte-sum path).
+__device__ __forceinline__ void mma_u8s8_16832(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 

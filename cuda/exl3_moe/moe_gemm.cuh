@@ -67,6 +67,7 @@ struct GemmParams {
   int short_groups;  // 16-row gate/up: (item, 128 columns of I) groups, in order, split into splitk - 1 parts; 0: none
   bool fuse_convert;
   int down_min_blocks;  // host side: the 16-row down kernel's variant, sized for 2 or 3 blocks per SM
+  bool bytesum;         // mul1, 16-row items of <= 4 rows: the byte-sum mma (gemm_body_bytes)
   uint64_t* trace;      // null, or per-block timeline marks (common/trace.cuh): kernel 0 gate/up, 1 down; slots
                         // 1 start, 2 routed (body begins), 3 body done (partials stored / down atomics), 4 end,
                         // 5 the block is the one that makes the activations (gate/up) or converts (down)
@@ -297,6 +298,149 @@ __device__ __forceinline__ void finish_act(const GemmParams& p, const RowTables&
   if (threadIdx.x == 0) *counter = 0;
 }
 
+// ------------------------------------------------------------------------------------------------ byte-sum mma
+// mul1, 16-row items of <= 4 rows (every decode item up to T = 4). A mul1 weight is an affine map of h = 1024 + B,
+// B = the sum of the four bytes of state * kMul1Mult, so
+//   sum_k x'_k w_k = kMul1Scale * (sum_k x'_k B_k + (1024 + kMul1Shift / kMul1Scale) * sum_k x'_k).
+// The tiles feed mma.m16n8k32 (u8 x s8 -> s32) with the products themselves, each weight's 4 bytes against x'_k
+// repeated in 4 bytes: the tensor cores add the bytes, so a weight costs its state cut and one IMAD instead of
+// the cut, IMAD, IDP4A, half a pack and half an HFMA2 (the weights are used exactly: no fp16 rounding of w).
+// x' is quantized per row and 128-deep k-block: s = max|x'| / 127, hi = rint(x' / s), lo = rint((x' / s - hi) * 254),
+// x' ~= s * (hi + lo / 254) within max|x'| * 1.6e-5. The 8 mma columns are (row r, hi) = 2r and (row r, lo) = 2r + 1.
+// Per 16-deep k-tile, two mmas (k-tile columns 0-7 and 8-15 of the tile; 32 bytes = 8 weights each). Lane (g, t)
+// of the A operand holds positions j of its decode (exl3-format.md: k = 2t + (j & 1) + 8 (j >> 1 & 1), n = g + 8
+// (j >> 2)): mma h takes {x[2h], x[2h + 4], x[2h + 1], x[2h + 5]}, i.e. weight slot t <- k = 2t + 8h and slot 4 + t
+// <- k = 2t + 8h + 1; the B registers follow the same slot -> k map.
+// Shared memory (inside the A chunk region of the 16-row kernel):
+//   xq [slot][chunk k-blocks][8 k-tiles] 16 B: lane (g, t) of B reads slot 4g + t: its registers of both mmas,
+//      {x'[2t], x'[2t + 1], x'[2t + 8], x'[2t + 9]} of column g, each as 4 equal bytes. Only columns < 2 rcnt are
+//      stored (rcnt KB per k-block); the other lanes read column g & 1 (their products are never stored). Slots are
+//      chunk * 128 + 16 bytes apart, so the 8 lanes of a 16-byte load phase hit 8 different bank groups (at
+//      chunk * 128 apart they all hit one: an 8-way conflict per tile, 2x slower in the first H200 run);
+//   sc [k-blocks][4 rows] {s, s / 254, z, 0}: z = (1024 + kMul1Shift / kMul1Scale) * sum_k x'_k of the k-block.
+constexpr int kBytesRows = 4;
+constexpr int kBytesMaxKb = 32;
+constexpr int kBytesScaleBytes = kBytesMaxKb * kBytesRows * 16;
+constexpr float kMul1Offset = 1024.f + exl3::kMul1Shift / exl3::kMul1Scale;
+
+__host__ __device__ constexpr int a_region_bytes(bool down) { return chunk_kb(down) * 16 * kAStride * 2; }
+
+// k-blocks of x' per chunk (the A region minus the scales: rcnt = 1 .. 4 -> 31 / 15 / 10 / 7 gate/up, 32 / 20 / 13 /
+// 10 down), and the slot stride in bytes.
+__device__ __forceinline__ int bytes_chunk(bool down, int rcnt) {
+  return min(kBytesMaxKb, ((a_region_bytes(down) - kBytesScaleBytes) / (8 * rcnt) - 16) / 128);
+}
+__device__ __forceinline__ int bytes_slot_stride(int chunk) { return chunk * 128 + 16; }
+
+// Warp: row r of k-block j of the chunk, 4 fp32 values per lane (x'[4 lane .. 4 lane + 3] of the k-block, as from
+// a_row) -> its hi / lo bytes in xq and its scale terms in sc.
+__device__ __forceinline__ void store_row_bytes(const float (&v)[4], int r, int j, int chunk, uint8_t* xq, float4* sc) {
+  const int lane = threadIdx.x & 31;
+  float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float inv = m > 0.f ? 127.f / m : 0.f;
+  int hi[4], lo[4], sum = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float y = v[q] * inv;
+    hi[q] = __float2int_rn(y);
+    lo[q] = __float2int_rn((y - static_cast<float>(hi[q])) * 254.f);
+    sum += 254 * hi[q] + lo[q];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  // value q of this lane is k-tile lane / 4, offset o = 4 (lane % 4) + q: B lane t' = (o % 8) / 2, mma o / 8, and
+  // register o % 2 of that mma
+  const int kt = lane >> 2, u = lane & 3, t0 = 2 * (u & 1), h = u >> 1;
+  const auto rep = [](int b) { return __byte_perm(static_cast<uint32_t>(b), 0u, 0x0000); };
+#pragma unroll
+  for (int part = 0; part < 2; ++part) {
+    const int* q = part ? lo : hi;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int slot = (2 * r + part) * 4 + t0 + i;
+      *reinterpret_cast<uint2*>(xq + slot * bytes_slot_stride(chunk) + j * 128 + kt * 16 + 8 * h) =
+          make_uint2(rep(q[2 * i]), rep(q[2 * i + 1]));
+    }
+  }
+  if (lane == 0) {
+    const float s = m * (1.f / 127.f), s254 = s * (1.f / 254.f);
+    sc[j * kBytesRows + r] = make_float4(s, s254, kMul1Offset * s254 * static_cast<float>(sum), 0.f);
+  }
+}
+
+// Gate/up: the chunk's x' (tasks (row, k-block) over the warps, as produce_chunk).
+__device__ __forceinline__ void produce_bytes(const GemmParams& p, const RowTables& rows, int rcnt, int e, int mat,
+                                              int kb0, int n, int chunk, uint8_t* xq, float4* sc) {
+  const int warp = threadIdx.x >> 5;
+  for (int i = warp; i < rcnt * n; i += kThreads / 32) {
+    const int r = i / n, j = i - r * n;
+    float v[4];
+    a_row<false>(p, rows, r, e, mat, kb0 + j, 0, v);
+    store_row_bytes(v, r, j, chunk, xq, sc);
+  }
+}
+
+// Down: the chunk's x' from the activations gate/up made (p.act, fp16 [P][I]); two tasks' loads in flight per warp.
+__device__ __forceinline__ void copy_act_bytes(const GemmParams& p, const RowTables& rows, int rcnt, int kb0, int n,
+                                               int chunk, uint8_t* xq, float4* sc) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, total = rcnt * n;
+  constexpr int kWarps = kThreads / 32;
+  for (int i0 = warp; i0 < total; i0 += 2 * kWarps) {
+    uint2 hv[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = i0 + u * kWarps, r = i / n, j = i - r * n;
+      if (i < total)
+        hv[u] = __ldcg(reinterpret_cast<const uint2*>(p.act + static_cast<size_t>(rows.pair[r]) * p.I +
+                                                      (kb0 + j) * 128 + lane * 4));
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = i0 + u * kWarps, r = i / n, j = i - r * n;
+      if (i < total) {  // warp-uniform
+        const __half2 a = *reinterpret_cast<const __half2*>(&hv[u].x), b = *reinterpret_cast<const __half2*>(&hv[u].y);
+        const float v[4] = {__low2float(a), __high2float(a), __low2float(b), __high2float(b)};
+        store_row_bytes(v, r, j, chunk, xq, sc);
+      }
+    }
+  }
+}
+
+// One 128-deep k-block of the byte-sum path: warp w decodes its 8 tiles (column tile w) into products, two
+// mma.m16n8k32 per tile into int32 sums, then adds s * hi-sums + s / 254 * lo-sums + z into f (rows g and g + 8 of
+// the tile's 16 columns for the lane's row t = lane % 4).
+template <int KA, bool HALF>
+__device__ __forceinline__ void mma_kblock_bytes(const int16_t* tb, const uint4* xk, const float4* scp, float (&f)[2]) {
+  constexpr int kW = 16 * KA + (HALF ? 8 : 0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const exl3::LaneWindow<HALF ? 1 : KA> lw(lane);
+  const int16_t* tbw = tb + warp * kW;
+  int c[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    const uint32_t* tw = reinterpret_cast<const uint32_t*>(tbw + kt * 8 * kW);
+    uint32_t x[8];
+    if constexpr (HALF) {
+      uint32_t st[8];
+      half_states<KA>(tw, lane, st);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = st[j] * exl3::kMul1Mult;
+    } else {
+      exl3::mul1_products<KA>(tw, lw, x);
+    }
+    const uint4 b = xk[kt];
+    const uint32_t a0[4] = {x[0], x[4], x[1], x[5]}, a1[4] = {x[2], x[6], x[3], x[7]};
+    mma_u8s8_16832(c, a0, b.x, b.y);
+    mma_u8s8_16832(c, a1, b.z, b.w);
+  }
+  // c0, c1: output column g, (hi, lo) of row t; c2, c3: column g + 8
+  const float4 sc = *scp;
+  f[0] += fmaf(sc.x, static_cast<float>(c[0]), fmaf(sc.y, static_cast<float>(c[1]), sc.z));
+  f[1] += fmaf(sc.x, static_cast<float>(c[2]), fmaf(sc.y, static_cast<float>(c[3]), sc.z));
+}
+
 // Stage the 8x8 trellis tiles of k-block kb for column slice `slice` (8 k-tile rows of 8 consecutive tiles, kW
 // int16 per tile) into dst with 16-byte cp.async; the caller commits.
 // Compile-time trip count (1-4 copies per thread; see load_chunk in exl3_gemm/small_m.cuh for why).
@@ -361,6 +505,86 @@ __device__ __forceinline__ void mma_kblock(const int16_t* tb, const __half* ab, 
   }
 }
 
+// Down epilogue: the block's raw sums staged in cbuf [rcnt][kCStride] -> output Hadamard, svh, times the pair's
+// routing weight, fp32 atomics into out32.
+__device__ __forceinline__ void down_out(const GemmParams& p, const RowTables& rows, int e, int rcnt, int slice,
+                                         const float* cbuf) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  const int col = slice * 128 + lane * 4;
+  float sv[4];
+  exl3::load4_half(p.svh2 + static_cast<size_t>(e) * p.H + col, sv);
+  for (int r = warp; r < rcnt; r += kThreads / 32) {
+    const float4 c4 = *reinterpret_cast<const float4*>(cbuf + r * kCStride + lane * 4);
+    float v[4] = {c4.x, c4.y, c4.z, c4.w};
+    exl3::hadamard128_warp(v, lane);
+    const float w = rows.weight[r];
+    float* d = p.out32 + static_cast<size_t>(rows.tok[r]) * p.H + col;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) atomicAdd(d + q, v[q] * w * sv[q]);
+  }
+}
+
+// The 16-row body for mul1 items of <= 4 rows with the byte-sum mma (see "byte-sum mma" above): the same chunked
+// A and trellis ring as gemm_body, x' as bytes.
+template <bool DOWN, int KA, bool HALF>
+__device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
+                                                int mat, int slice, int part, int kb0, int kb1) {
+  constexpr int kW = 16 * KA + (HALF ? 8 : 0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tiles_n = (DOWN ? p.H : p.I) / 16;
+  const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
+  const int nkb = kb1 - kb0, chunk = bytes_chunk(DOWN, rcnt);
+  uint8_t* xq = reinterpret_cast<uint8_t*>(smem);
+  float4* sc = reinterpret_cast<float4*>(smem + a_region_bytes(DOWN) - kBytesScaleBytes);
+  int16_t* tbuf = reinterpret_cast<int16_t*>(smem + a_region_bytes(DOWN));  // [kStages][64][kW]
+  const int g = lane >> 2, t = lane & 3;
+  const uint8_t* xl = xq + ((g < 2 * rcnt ? g : (g & 1)) * 4 + t) * bytes_slot_stride(chunk);  // this lane's slot
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
+    cp_async_commit();
+  }
+  if constexpr (DOWN) pdl_wait();  // the weights are on their way; A is what the gate/up kernel made
+  float f[2] = {0.f, 0.f};
+  for (int c0 = 0; c0 < nkb; c0 += chunk) {
+    const int cn = min(chunk, nkb - c0);
+    if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's x'
+    if constexpr (DOWN) {
+      copy_act_bytes(p, rows, rcnt, kb0 + c0, cn, chunk, xq, sc);
+    } else {
+      produce_bytes(p, rows, rcnt, e, mat, kb0 + c0, cn, chunk, xq, sc);
+    }
+    for (int i = c0; i < c0 + cn; ++i) {
+      cp_async_wait<kStages - 2>();  // this thread's copies of k-block i have landed
+      __syncthreads();               // everyone's have; x' is ready; buffer (i - 1) % kStages is free
+      const int nx = i + kStages - 1;
+      if (nx < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + nx, tbuf + (nx % kStages) * 64 * kW);
+      cp_async_commit();  // possibly empty: keeps one group per k-block
+      mma_kblock_bytes<KA, HALF>(tbuf + (i % kStages) * 64 * kW, reinterpret_cast<const uint4*>(xl + (i - c0) * 128),
+                                 sc + (i - c0) * kBytesRows + t, f);
+    }
+  }
+  // lane (g, t): output columns warp * 16 + g and + 8 of row t
+  const float y0 = exl3::kMul1Scale * f[0], y1 = exl3::kMul1Scale * f[1];
+  if constexpr (!DOWN) {
+    if (t < rcnt) {
+      float* dst = p.gu32 + static_cast<size_t>(part) * p.P * 2 * p.I + static_cast<size_t>(rows.pair[t]) * 2 * p.I +
+                   static_cast<size_t>(mat) * p.I + slice * 128 + warp * 16 + g;
+      dst[0] = y0;
+      dst[8] = y1;
+    }
+  } else {
+    __syncthreads();  // all warps are done reading x': reuse the region for the fp32 staging rows
+    float* cbuf = reinterpret_cast<float*>(smem);
+    if (t < rcnt) {
+      cbuf[t * kCStride + warp * 16 + g] = y0;
+      cbuf[t * kCStride + warp * 16 + g + 8] = y1;
+    }
+    down_out(p, rows, e, rcnt, slice, cbuf);
+  }
+}
+
 template <int CB, int MT, bool DOWN, int KA, bool HALF>
 __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
                                           int mat, int slice, int part, int kb0, int kb1) {
@@ -370,6 +594,12 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
   const int tiles_n = (DOWN ? p.H : p.I) / 16;
   const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
   const int nkb = kb1 - kb0;
+  if constexpr (MT == 1 && CB == exl3::kCbMul1) {
+    if (p.bytesum && rcnt <= kBytesRows) {
+      gemm_body_bytes<DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1);
+      return;
+    }
+  }
 
   float acc[MT][2][4];
 #pragma unroll
@@ -488,19 +718,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
                 make_float2(acc[mt][h][2 * hr], acc[mt][h][2 * hr + 1]);
           }
     }
-    __syncthreads();
-    const int col = slice * 128 + lane * 4;
-    float sv[4];
-    exl3::load4_half(p.svh2 + static_cast<size_t>(e) * p.H + col, sv);
-    for (int r = warp; r < rcnt; r += kThreads / 32) {
-      const float4 c4 = *reinterpret_cast<const float4*>(cbuf + r * kCStride + lane * 4);
-      float v[4] = {c4.x, c4.y, c4.z, c4.w};
-      exl3::hadamard128_warp(v, lane);
-      const float w = rows.weight[r];
-      float* d = p.out32 + static_cast<size_t>(rows.tok[r]) * p.H + col;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) atomicAdd(d + q, v[q] * w * sv[q]);
-    }
+    down_out(p, rows, e, rcnt, slice, cbuf);
   }
 }
 

@@ -124,8 +124,11 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # H200, 2026-12-01 (exl3_moe_v12_act / v13_down3 logs): 3 per SM is 3-5% faster at T=4 and T=8, but 5-10%
     # slower at T=1 (240 blocks): the extra room lets the down blocks pile onto the SMs that finish gate/up first.
     down_min_blocks = 3 if max_items * (hidden // 128) > 2 * sms else 2
+    # mul1 items of <= 4 rows: the byte-sum mma (the tensor cores add each weight's product bytes; moe_gemm.cuh).
+    # TWINSPARK_EXL3_MOE_BYTESUM=0 keeps the fp16 decode (same-build A/B in bench_exl3_moe.py).
+    bytesum = os.environ.get("TWINSPARK_EXL3_MOE_BYTESUM", "1") != "0"
     return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
-                small_route=decode, down_min_blocks=down_min_blocks)
+                small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum)
 
 
 def _whole_parts(kblocks: int, parts: int) -> int:
@@ -165,7 +168,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
-            cfg["small_route"], _ext.stream_ptr(dev), 0 if trace is None else trace.data_ptr(),
+            cfg["small_route"], cfg["bytesum"], _ext.stream_ptr(dev), 0 if trace is None else trace.data_ptr(),
         )
     return out
 
