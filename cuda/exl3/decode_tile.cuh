@@ -244,21 +244,80 @@ __device__ __forceinline__ void store_x4_dup(uint32_t* row, int lane, uint2 v) {
   *reinterpret_cast<uint2*>(row + w + 8) = make_uint2(__byte_perm(v.x, 0, 0x3232), __byte_perm(v.y, 0, 0x3232));
 }
 
+// Constants the byte-sum decoder takes from kernel parameters, where ptxas cannot see their values: powers of two as
+// multipliers (a shift ptxas cannot see runs on the FMA pipe as an IMAD and is not folded into the cuts) and a zero
+// for the byte permutes' padding (a permute with a known zero becomes a shift and a mask). The host fills them with
+// opaque_consts().
+struct OpaqueConsts {
+  uint32_t pow2[32];  // 1 << i
+  uint32_t zero;      // 0
+  uint32_t sel_hi;    // byte-permute selector 0x4432: bytes 2, 3 of the first operand, then zero padding
+  uint32_t sel_mid;   // 0x4421: bytes 1, 2
+};
+
+inline OpaqueConsts opaque_consts() {
+  OpaqueConsts c{};
+  for (int i = 0; i < 32; ++i) c.pow2[i] = 1u << i;
+  c.zero = 0;
+  c.sel_hi = 0x4432;
+  c.sel_mid = 0x4421;
+  return c;
+}
+
+// The state I of the lane with its view on the FMA pipe (mul1_state, odd K): its 16 bits start r = bit % 32 into
+// window word w. r = 0, 8, 16: one op on w (>> 16, a byte permute, a mask). Otherwise, where the state ends inside
+// w: w << (r & 7) as an IMAD by a run-time power of two, then a byte permute (bytes 2, 3 or 1, 2) with a run-time
+// selector and zero. ptxas sees neither the shift nor what the permute keeps, so it leaves one IMAD (FMA pipe) and
+// one PRMT (ALU pipe) instead of rewriting them into a shift and a mask (two ALU ops). A state that crosses a word
+// boundary takes two ALU ops.
+template <int K, int I>
+__device__ __forceinline__ uint32_t lane_state_fma(uint32_t a0, uint32_t a1, uint32_t a2, const OpaqueConsts& oc) {
+  constexpr int b = LaneWindow<K>::kBase + I * K, q = b >> 5, r = b & 31, r0 = r & 7;
+  static_assert(q <= 2, "window is three words");
+  const uint32_t w = q == 0 ? a0 : (q == 1 ? a1 : a2);
+  if constexpr (r == 0) {
+    return w >> 16;
+  } else if constexpr (r == 8) {
+    return __byte_perm(w, oc.zero, oc.sel_mid);  // bytes 1, 2
+  } else if constexpr (r == 16) {
+    return w & 0xFFFFu;
+  } else if constexpr (r + 16 <= 32) {
+    const uint32_t v = w * oc.pow2[r0];  // w << r0
+    return __byte_perm(v, oc.zero, r == r0 ? oc.sel_hi : oc.sel_mid);
+  } else {
+    return take16<b>(a0, a1, a2);
+  }
+}
+
+// The byte-sum path's cut of state I. Odd K: lane_state_fma (no two states are 8 or 16 bits apart, so each state
+// has its own view; with the views on the FMA pipe the ALU and FMA pipes balance). Even K: lane_state, whose shared
+// views already keep the ALU pipe below the issue rate (SASS of the 8-tile loop per tile, sm_90a: K=3 32.3 issue
+// slots with 17.6 ALU ops -> 32.0 with 12.2; K=2 26.7 and K=4 24.6 with lane_state, 26.3 and 26.3 with the FMA views).
+template <int K, int I>
+__device__ __forceinline__ uint32_t mul1_state(uint32_t a0, uint32_t a1, uint32_t a2, const OpaqueConsts& oc) {
+  if constexpr (K % 2 == 1) {
+    return lane_state_fma<K, I>(a0, a1, a2, oc);
+  } else {
+    return lane_state<K, I>(a0, a1, a2);
+  }
+}
+
 // mul1 without its byte sum (the byte-sum mma of cuda/exl3_moe/moe_gemm.cuh): x[j] = state of position 8L + j times
 // kMul1Mult. The weight is the affine map of 1024 + (sum of x[j]'s four bytes); an integer mma against activations
 // repeated in four bytes adds those bytes, so the lane pays only the state cut and one IMAD per weight.
 template <int K>
-__device__ __forceinline__ void mul1_products(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&x)[8]) {
+__device__ __forceinline__ void mul1_products(const uint32_t* tile, const LaneWindow<K>& lw, const OpaqueConsts& oc,
+                                              uint32_t (&x)[8]) {
   uint32_t a0, a1, a2;
   lw.align(tile[lw.w0], tile[lw.w1], tile[lw.w2], a0, a1, a2);
-  x[0] = lane_state<K, 0>(a0, a1, a2) * kMul1Mult;
-  x[1] = lane_state<K, 1>(a0, a1, a2) * kMul1Mult;
-  x[2] = lane_state<K, 2>(a0, a1, a2) * kMul1Mult;
-  x[3] = lane_state<K, 3>(a0, a1, a2) * kMul1Mult;
-  x[4] = lane_state<K, 4>(a0, a1, a2) * kMul1Mult;
-  x[5] = lane_state<K, 5>(a0, a1, a2) * kMul1Mult;
-  x[6] = lane_state<K, 6>(a0, a1, a2) * kMul1Mult;
-  x[7] = lane_state<K, 7>(a0, a1, a2) * kMul1Mult;
+  x[0] = mul1_state<K, 0>(a0, a1, a2, oc) * kMul1Mult;
+  x[1] = mul1_state<K, 1>(a0, a1, a2, oc) * kMul1Mult;
+  x[2] = mul1_state<K, 2>(a0, a1, a2, oc) * kMul1Mult;
+  x[3] = mul1_state<K, 3>(a0, a1, a2, oc) * kMul1Mult;
+  x[4] = mul1_state<K, 4>(a0, a1, a2, oc) * kMul1Mult;
+  x[5] = mul1_state<K, 5>(a0, a1, a2, oc) * kMul1Mult;
+  x[6] = mul1_state<K, 6>(a0, a1, a2, oc) * kMul1Mult;
+  x[7] = mul1_state<K, 7>(a0, a1, a2, oc) * kMul1Mult;
 }
 
 // Decode this lane's 8 positions of one tile. `tile` = the tile's 8K u32 words (shared or global memory).

@@ -226,6 +226,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.fuse_convert = a.fuse_convert;
   gp.down_min_blocks = a.down_min_blocks;
   gp.bytesum = a.bytesum;
+  gp.opaque = exl3::opaque_consts();
   gp.trace = a.trace;
 
   auto gemm = [&](bool down) {

@@ -66,11 +66,12 @@ struct GemmParams {
   int splitk;        // gate/up k-split parts (the gu32 slots); groups below short_groups use splitk - 1
   int short_groups;  // 16-row gate/up: (item, 128 columns of I) groups, in order, split into splitk - 1 parts; 0: none
   bool fuse_convert;
-  int down_min_blocks;  // host side: the 16-row down kernel's variant, sized for 2 or 3 blocks per SM
-  bool bytesum;         // mul1, 16-row items of <= 4 rows: the byte-sum mma (gemm_body_bytes)
-  uint64_t* trace;      // null, or per-block timeline marks (common/trace.cuh): kernel 0 gate/up, 1 down; slots
-                        // 1 start, 2 routed (body begins), 3 body done (partials stored / down atomics), 4 end,
-                        // 5 the block is the one that makes the activations (gate/up) or converts (down)
+  int down_min_blocks;        // host side: the 16-row down kernel's variant, sized for 2 or 3 blocks per SM
+  bool bytesum;               // mul1, 16-row items of <= 4 rows: the byte-sum mma (gemm_body_bytes)
+  exl3::OpaqueConsts opaque;  // the byte-sum decoder's run-time constants (exl3::lane_state_fma)
+  uint64_t* trace;            // null, or per-block timeline marks (common/trace.cuh): kernel 0 gate/up, 1 down; slots
+                              // 1 start, 2 routed (body begins), 3 body done (partials stored / down atomics), 4 end,
+                              // 5 the block is the one that makes the activations (gate/up) or converts (down)
 };
 
 // 16-row items: k-blocks of A built at once (16 rows * 272 B each). Down: 10, so an intermediate size up to 1280
@@ -412,7 +413,8 @@ __device__ __forceinline__ void copy_act_bytes(const GemmParams& p, const RowTab
 // mma.m16n8k32 per tile into int32 sums, then adds s * hi-sums + s / 254 * lo-sums + z into f (rows g and g + 8 of
 // the tile's 16 columns for the lane's row t = lane % 4).
 template <int KA, bool HALF>
-__device__ __forceinline__ void mma_kblock_bytes(const int16_t* tb, const uint4* xk, const float4* scp, float (&f)[2]) {
+__device__ __forceinline__ void mma_kblock_bytes(const int16_t* tb, const uint4* xk, const float4* scp,
+                                                 const exl3::OpaqueConsts& oc, float (&f)[2]) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const exl3::LaneWindow<HALF ? 1 : KA> lw(lane);
@@ -428,7 +430,7 @@ __device__ __forceinline__ void mma_kblock_bytes(const int16_t* tb, const uint4*
 #pragma unroll
       for (int j = 0; j < 8; ++j) x[j] = st[j] * exl3::kMul1Mult;
     } else {
-      exl3::mul1_products<KA>(tw, lw, x);
+      exl3::mul1_products<KA>(tw, lw, oc, x);
     }
     const uint4 b = xk[kt];
     const uint32_t a0[4] = {x[0], x[4], x[1], x[5]}, a1[4] = {x[2], x[6], x[3], x[7]};
@@ -562,7 +564,7 @@ __device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem,
       if (nx < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + nx, tbuf + (nx % kStages) * 64 * kW);
       cp_async_commit();  // possibly empty: keeps one group per k-block
       mma_kblock_bytes<KA, HALF>(tbuf + (i % kStages) * 64 * kW, reinterpret_cast<const uint4*>(xl + (i - c0) * 128),
-                                 sc + (i - c0) * kBytesRows + t, f);
+                                 sc + (i - c0) * kBytesRows + t, p.opaque, f);
     }
   }
   // lane (g, t): output columns warp * 16 + g and + 8 of row t
