@@ -15,7 +15,8 @@
 // template.
 // - MT = 1 (decode, 16-row items): A of up to chunk_kb (8 gate/up, 10 down) k-blocks is built or copied at once
 //   (one memory round trip), the trellis streams through a kStages cp.async ring, and the tile is the mma A
-//   operand (W_hat^T) against 8 rows of x' (one mma per tile while the item has <= 8 rows). Shared memory:
+//   operand (W_hat^T) against 8 rows of x' (one mma per tile while the item has <= 8 rows). mul1 items of <= 4 rows
+//   take the byte-sum mma instead (gemm_body_bytes: u8 products x int8 x', see "byte-sum mma" below). Shared memory:
 //   chunk_kb * 16 * 136 fp16 + kStages * 64 tiles * max_words int16 = 34 (42.5 down) + 12 KB at K = 2, + 48 KB
 //   at K = 8.
 // - MT = 4 (prefill, 64-row items): A and the tiles of the next k-block are built/staged while this one is
