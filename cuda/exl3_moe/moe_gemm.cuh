@@ -79,13 +79,15 @@ struct GemmParams {
 // (1152 per rank here) is one chunk: its second chunk was a serial A build of one k-block (one warp working, the
 // rest at the barrier) in the middle of every down block.
 __host__ __device__ constexpr int chunk_kb(bool down) { return down ? 10 : 8; }
+// 16-row items: bytes of the A chunk region; the trellis buffers follow it (both bodies and gemm_smem_bytes).
+__host__ __device__ constexpr int a_region_bytes(bool down) { return chunk_kb(down) * 16 * kAStride * 2; }
 constexpr int kStages = 3;  // 16-row items: trellis buffers (3 * 16 KB at K = 8)
 
 // 16-row items: A chunk + kStages tile buffers (K = 8, down: 42.5 + 48 KB); 64-row items: 2 A blocks + 2 tile
 // buffers (K = 8: 34 + 32 KB). All <= 99 KB (GB10).
 inline size_t gemm_smem_bytes(int mt, bool down, int max_words) {
   const size_t tiles = 64 * static_cast<size_t>(max_words) * 2;
-  if (mt == 1) return static_cast<size_t>(chunk_kb(down)) * 16 * kAStride * 2 + kStages * tiles;
+  if (mt == 1) return static_cast<size_t>(a_region_bytes(down)) + kStages * tiles;
   return 2 * static_cast<size_t>(16 * mt) * kAStride * 2 + 2 * tiles;
 }
 
@@ -323,8 +325,6 @@ constexpr int kBytesRows = 4;
 constexpr int kBytesMaxKb = 32;
 constexpr int kBytesScaleBytes = kBytesMaxKb * kBytesRows * 16;
 constexpr float kMul1Offset = 1024.f + exl3::kMul1Shift / exl3::kMul1Scale;
-
-__host__ __device__ constexpr int a_region_bytes(bool down) { return chunk_kb(down) * 16 * kAStride * 2; }
 
 // k-blocks of x' per chunk (the A region minus the scales: rcnt = 1 .. 4 -> 31 / 15 / 10 / 7 gate/up, 32 / 20 / 13 /
 // 10 down), and the slot stride in bytes.
