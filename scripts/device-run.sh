@@ -2,7 +2,8 @@
 # One-call recipe for the lent GPU machine (the `run` tool): build, GPU tests, benchmarks, logs under $OUT.
 #
 #   scripts/device-run.sh [-t "tests/test_a.py tests/test_b.py"] [-k PYTEST_K] [-b "exl3 moe"] [-B "bench args"]
-#                         [--no-build] [--archs 90a] [--ab .ab/base | --env-ab VAR] [--ab-rounds 2]
+#                         [--no-build] [--archs 90a] [--ab .ab/base | --env-ab VAR | --env-sets "A=1 B=2|A=0"]
+#                         [--ab-rounds 2]
 #
 #   -t  test files/node ids for `pytest -m gpu` (default: none; "all" = tests/test_*.py)
 #   -k  pytest -k expression          -b  benchmark names for bench/run.py (default: none)
@@ -12,6 +13,8 @@
 #       alternating "new" and "base" for --ab-rounds rounds; both land in $OUT/bench.log under "== new|base <round>"
 #   --env-ab VAR  same-build A/B of a switch read from the environment: each -b benchmark (needs -B) runs with VAR=1
 #       ("new") and VAR=0 ("base"), alternating for --ab-rounds rounds, under the same "== new|base <round>" headers
+#   --env-sets "SETS"  same-build comparison of several environments: SETS is '|'-separated, each a space-separated
+#       list of VAR=VALUE; every round runs each -b benchmark (needs -B) once per set, under "== set<i> <round> (SET)"
 # Logs: $OUT/build.log, $OUT/tests.log, $OUT/bench.log; bench results (JSON, PNG, report.md) in $OUT/bench/.
 # The `run` tool returns at most 8 files from $OUT (2 folders deep): keep what you write there few.
 # Every step runs even if an earlier one failed (one device call should tell as much as possible); the exit
@@ -21,7 +24,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/twinspark-out}"
 mkdir -p "$OUT"
-TESTS="" KEXPR="" BENCH="" BENCH_ARGS="" BUILD=1 ARCHS="${TWINSPARK_CUDA_ARCHS:-90a}" AB="" ENV_AB="" AB_ROUNDS=2
+TESTS="" KEXPR="" BENCH="" BENCH_ARGS="" BUILD=1 ARCHS="${TWINSPARK_CUDA_ARCHS:-90a}" AB="" ENV_AB="" ENV_SETS="" AB_ROUNDS=2
 while [ $# -gt 0 ]; do
   case "$1" in
     -t) TESTS="$2"; shift 2 ;;
@@ -33,6 +36,7 @@ while [ $# -gt 0 ]; do
     --ab) AB="$2"; shift 2 ;;
     --ab-rounds) AB_ROUNDS="$2"; shift 2 ;;
     --env-ab) ENV_AB="$2"; shift 2 ;;
+    --env-sets) ENV_SETS="$2"; shift 2 ;;
     *) echo "device-run.sh: unknown argument $1 (see the header of this script)" >&2; exit 2 ;;
   esac
 done
@@ -108,6 +112,16 @@ if [ -n "$BENCH" ]; then
       export "$ENV_AB=0"; run_bench_files . "$OUT/bench/base"
     done
     unset "$ENV_AB"
+  elif [ -n "$ENV_SETS" ]; then
+    [ -n "$BENCH_ARGS" ] || { echo "device-run.sh: --env-sets needs -B \"ARGS\"" >&2; exit 2; }
+    IFS='|' read -r -a sets <<<"$ENV_SETS"
+    for r in $(seq "$AB_ROUNDS"); do
+      for i in "${!sets[@]}"; do
+        echo "== set$i $r (${sets[$i]})" | tee -a "$OUT/bench.log"
+        # shellcheck disable=SC2086
+        ( export ${sets[$i]}; run_bench_files . "$OUT/bench/set$i"; exit $status ) || fail 30
+      done
+    done
   elif [ -n "$BENCH_ARGS" ]; then
     run_bench_files . "$OUT/bench"
   else

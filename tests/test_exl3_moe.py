@@ -10,6 +10,7 @@ from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
 from twinspark.ops import exl3_moe
 from twinspark.ops.exl3_moe import GATE_UP_BLOCKS_PER_SM, plan_launch
+from twinspark.ops.workspace import workspace
 from twinspark.reference.exl3_moe import exl3_moe as reference_moe
 from twinspark.testing import rel_l2
 
@@ -263,6 +264,25 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
         ids = torch.tensor([[2, 5, 2, 7, 5, 2]], dtype=torch.int32)
     got, want = _gpu_case(cuda, gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3)), ids=ids)
     assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} dup={dup}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("early", ["0", "1"])
+def test_kernel_early_down(early, gen, cuda, monkeypatch):
+    """16-row items with the down blocks waiting for their own item's activations (early) or for the whole gate/up
+    grid: decode (in-block routing) and the routing launch, three calls at each size; after every call the
+    per-stream counters (shared by calls of every size, laid out by max_items) must be zero again."""
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", early)
+    ex = ml.random_experts(16, 1024, 1152, rates=[(2, 3, 4), (3, 2, 2.5), (4, 4, 2)], codebook="mul1",
+                           generator=gen)
+    exd = ex.to(cuda)
+    for T, top_k in ((1, 6), (4, 6), (3, 8), (17, 6), (1, 6)):
+        for call in range(3):
+            x, ids, w = _inputs(gen, T, top_k, 16, 1024)
+            got, want = _check_kernel(cuda, ex, exd, x, ids, w)
+            assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} call {call}"
+            counters = workspace(exd.trellis.device).zeroed("moe_act_counters", 1, torch.int32, 0)
+            assert not counters.any(), f"T={T} call {call}: counters left {counters.nonzero().flatten().tolist()}"
 
 
 @pytest.mark.gpu

@@ -21,6 +21,11 @@ __device__ __forceinline__ int arrive_acq_rel(int* counter) {
 __device__ __forceinline__ void store_release(int* p, int v) {
   asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// One more done, published: the release covers what the block's barrier ordered before it (the waiter polls with
+// load_acquire).
+__device__ __forceinline__ void red_add_release(int* p) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(p) : "memory");
+}
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");

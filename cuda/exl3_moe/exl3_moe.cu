@@ -151,7 +151,8 @@ bool valid_args(const Exl3MoeArgs& a) {
          parts_nonempty(a.H / 128, a.splitk) && (a.mt != 1 || a.act_counters) && (a.mt == 1 || a.splitk == 1) &&
          a.short_groups >= 0 && a.short_groups <= a.max_items * (a.I / 128) &&
          (a.short_groups == 0 || (a.mt == 1 && parts_nonempty(a.H / 128, a.splitk - 1))) &&
-         (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3);
+         (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3) && a.max_items <= 65535 &&
+         (a.mt == 1 || !a.early_down);
 }
 
 }  // namespace
@@ -210,6 +211,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.out32 = out32;
   gp.act = act;
   gp.act_counters = a.act_counters;
+  gp.item_ready = a.mt == 1 ? a.act_counters + static_cast<size_t>(a.max_items) * (a.I / 128) : nullptr;
   gp.out = a.out;
   gp.T = a.T;
   gp.topk = a.topk;
@@ -226,6 +228,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.fuse_convert = a.fuse_convert;
   gp.down_min_blocks = a.down_min_blocks;
   gp.bytesum = a.bytesum;
+  gp.early_down = a.early_down;
   gp.opaque = exl3::opaque_consts();
   gp.trace = a.trace;
 

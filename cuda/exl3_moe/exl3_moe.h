@@ -9,13 +9,16 @@
 //            16*KA+8: K 1..8, 1.5/2.5/3.5); suh13 fp16 [E, 2, H]; svh13 fp16 [E, 2, I]; suh2 fp16 [E, I];
 //            svh2 fp16 [E, H]. H, I multiples of 128; 1 <= topk <= 64; E <= 4000; max_words = max(words).
 //   ws_int / ws_f32: per-call workspaces of exl3_moe_workspace() elements (never shared between calls or streams).
-//   act_counters (mt = 1): the arrival counters of down's activations, zero before the call; the call leaves
-//   them zero (one buffer per stream may serve every call on that stream).
+//   act_counters (mt = 1): max_items * (I/128 + 1) ints: the arrival counters of down's activations, then the
+//   items' ready counters (early_down), zero before the call; the call leaves them zero (one buffer per stream may
+//   serve every call on that stream).
 //   mt (1 or 4): an item is up to 16*mt rows (pairs) of one expert; splitk >= 1 (1 at mt = 4) splits gate/up over k
 //   (each part writes its own partial sums; the down kernel adds them); short_groups (mt = 1): the first
 //   short_groups (item, 128 columns of I) groups take splitk - 1 parts (a grid that fills the SMs); max_items >= the
-//   item count of any routing (the grids' x extent); fuse_convert: the down kernel's last block per 128 columns writes
-//   `out` (else one more small launch); small_route (T*topk <= 64, mt = 1): no routing launch.
+//   item count of any routing (<= 65535: a grid's y / z extent); fuse_convert: the down kernel's last block per 128
+//   columns writes `out` (else one more small launch); small_route (T*topk <= 64, mt = 1): no routing launch;
+//   early_down (mt = 1): each down block waits for its own item's activations (a ready counter per item after the
+//   act_counters), not for the whole gate/up grid.
 // Launches: decode (small_route + fuse_convert): gate/up, down. Otherwise: route (+ zeroing), gate/up, down,
 // convert. No host sync: capturable in a CUDA graph.
 // mt = 1: the last gate/up block of each (item, 128 columns of I) makes down's fp16 activations for them
@@ -41,7 +44,7 @@ struct Exl3MoeArgs {
   const void* svh2;
   int32_t* ws_int;
   float* ws_f32;
-  int32_t* act_counters;  // mt == 1: >= max_items * I/128 ints, zero on entry and on exit (a per-stream buffer)
+  int32_t* act_counters;  // mt == 1: >= max_items * (I/128 + 1) ints, zero on entry and on exit (per stream)
   void* out;
   int T, topk, E, H, I, first_expert, max_words, codebook;
   float limit;  // < 0: no clamp
@@ -50,6 +53,7 @@ struct Exl3MoeArgs {
   int short_groups;     // mt == 1: (item, 128 columns of I) groups split into splitk - 1 parts instead of splitk
   int down_min_blocks;  // mt == 1: the down kernel sized for 2 or 3 blocks per SM
   bool bytesum;         // mt == 1, mul1: items of <= 4 rows use the byte-sum mma (moe_gemm.cuh); false: fp16 decode
+  bool early_down;      // mt == 1: a down block starts once its item's activations are made (not all of gate/up)
   bool fuse_convert;
   bool small_route;  // T*topk <= 64 and mt == 1: the GEMM blocks route in shared memory (no routing launch)
   uint64_t* trace;   // null, or a buffer of trace_shape for per-block timeline marks (common/trace.cuh; a

@@ -59,6 +59,8 @@ struct GemmParams {
   float* out32;
   __half* act;            // 16-row items: down's fp16 activations [P][I], made once by gate/up (finish_act)
   int32_t* act_counters;  // [max_items][I/128] arrivals of gate/up blocks, zero between calls
+  int32_t* item_ready;    // [max_items] activation slices made (finish_act), then down blocks past wait_act; zero
+                          // between calls
   void* out;
   int T, topk, H, I, P, E, first_expert;
   bool small_route;  // P <= 64: every block routes for itself (no routing launch); gate/up zeroes out32
@@ -69,6 +71,8 @@ struct GemmParams {
   bool fuse_convert;
   int down_min_blocks;        // host side: the 16-row down kernel's variant, sized for 2 or 3 blocks per SM
   bool bytesum;               // mul1, 16-row items of <= 4 rows: the byte-sum mma (gemm_body_bytes)
+  bool early_down;            // 16-row items: a down block starts its item once that item's activations are made
+                              // (wait_act), not when the whole gate/up grid is done
   exl3::OpaqueConsts opaque;  // the byte-sum decoder's run-time constants (exl3::lane_state_fma)
   uint64_t* trace;            // null, or per-block timeline marks (common/trace.cuh): kernel 0 gate/up, 1 down; slots
                               // 1 start, 2 routed (body begins), 3 body done (partials stored / down atomics), 4 end,
@@ -113,7 +117,7 @@ struct RowTables {
   int32_t pair[64];
   int32_t tok[64];
   float weight[64];
-  int32_t e, chunk, rcnt, nitems;
+  int32_t e, chunk, rcnt, nitems, item;
 };
 
 // Routing of up to 64 pairs by warp 0 of every block, identical in every block (no launch, no workspace):
@@ -298,7 +302,37 @@ __device__ __forceinline__ void finish_act(const GemmParams& p, const RowTables&
     a_row<true, true>(p, rows, r, e, 2, slice, parts, v);
     *reinterpret_cast<uint2*>(p.act + static_cast<size_t>(rows.pair[r]) * p.I + slice * 128 + lane * 4) = pack4_half(v);
   }
-  if (threadIdx.x == 0) *counter = 0;
+  __syncthreads();  // the slice's activations are stored: publish them (release) to the item's waiting down blocks
+  if (threadIdx.x == 0) {
+    *counter = 0;
+    if (p.early_down) red_add_release(p.item_ready + item);
+  }
+}
+
+// Down, 16-row items: wait until this block may read its item's activations. early_down: thread 0 polls the item's
+// count of made slices (acquire) until all I/128 are there, then counts itself past; the last of the item's
+// gridDim.x down blocks clears the counter for the next call (every arrival of gate/up came before the first pass).
+// Down blocks start only once every gate/up block has (pdl), so the wait cannot hold a slot gate/up needs. Should
+// the count never arrive (a counter that was not zero on entry) the poll gives up after ~10 ms for the whole gate/up
+// grid, which is always enough. Otherwise (and for the out32 atomics, which gate/up zeroes in decode): pdl_wait.
+__device__ __forceinline__ void wait_act(const GemmParams& p, int item) {
+  if (!p.early_down) {
+    pdl_wait();
+    return;
+  }
+  if (threadIdx.x == 0) {
+    int32_t* c = p.item_ready + item;
+    const int made = p.I / 128;
+    for (int spins = 0; load_acquire(c) < made; ++spins) {
+      if (spins == (1 << 14)) {
+        pdl_wait();
+        break;
+      }
+      __nanosleep(32);
+    }
+    if (atomicAdd(c, 1) == made + static_cast<int>(gridDim.x) - 1) *c = 0;
+  }
+  __syncthreads();
 }
 
 // ------------------------------------------------------------------------------------------------ byte-sum mma
@@ -514,6 +548,7 @@ __device__ __forceinline__ void mma_kblock(const int16_t* tb, const __half* ab, 
 __device__ __forceinline__ void down_out(const GemmParams& p, const RowTables& rows, int e, int rcnt, int slice,
                                          const float* cbuf) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  pdl_wait();  // early_down: gate/up (which zeroes out32 in decode) may still run until here
   __syncthreads();
   const int col = slice * 128 + lane * 4;
   float sv[4];
@@ -533,11 +568,10 @@ __device__ __forceinline__ void down_out(const GemmParams& p, const RowTables& r
 // A and trellis ring as gemm_body, x' as bytes.
 template <bool DOWN, int KA, bool HALF>
 __device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
-                                                int mat, int slice, int part, int kb0, int kb1) {
+                                                int mat, int slice, int part, int kb0, int kb1, const int16_t* tr) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tiles_n = (DOWN ? p.H : p.I) / 16;
-  const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
   const int nkb = kb1 - kb0, chunk = bytes_chunk(DOWN, rcnt);
   uint8_t* xq = reinterpret_cast<uint8_t*>(smem);
   float4* sc = reinterpret_cast<float4*>(smem + a_region_bytes(DOWN) - kBytesScaleBytes);
@@ -549,7 +583,7 @@ __device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem,
     if (s < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
     cp_async_commit();
   }
-  if constexpr (DOWN) pdl_wait();  // the weights are on their way; A is what the gate/up kernel made
+  if constexpr (DOWN) wait_act(p, rows.item);  // the weights are on their way; A is what the gate/up kernel made
   float f[2] = {0.f, 0.f};
   for (int c0 = 0; c0 < nkb; c0 += chunk) {
     const int cn = min(chunk, nkb - c0);
@@ -591,16 +625,15 @@ __device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem,
 
 template <int CB, int MT, bool DOWN, int KA, bool HALF>
 __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
-                                          int mat, int slice, int part, int kb0, int kb1) {
+                                          int mat, int slice, int part, int kb0, int kb1, const int16_t* tr) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);  // int16 per tile
   constexpr int kRows = 16 * MT;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tiles_n = (DOWN ? p.H : p.I) / 16;
-  const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
   const int nkb = kb1 - kb0;
   if constexpr (MT == 1 && CB == exl3::kCbMul1) {
     if (p.bytesum && rcnt <= kBytesRows) {
-      gemm_body_bytes<DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1);
+      gemm_body_bytes<DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr);
       return;
     }
   }
@@ -629,7 +662,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
       if (s < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
       cp_async_commit();
     }
-    if constexpr (DOWN) pdl_wait();  // the weights are on their way; A is what the gate/up kernel made
+    if constexpr (DOWN) wait_act(p, rows.item);  // the weights are on their way; A is what the gate/up kernel made
     for (int c0 = 0; c0 < nkb; c0 += chunk) {
       const int cn = min(chunk, nkb - c0);
       if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A
@@ -726,15 +759,18 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
   }
 }
 
-// Rate of expert e's matrix from its words per tile; calls the body decoded for that rate.
+// Rate of expert e's matrix from its words per tile; calls the body decoded for that rate. words and tr (the
+// matrix's trellis) are read by the caller, both loads in flight at once (the switch and the first weight fetch wait
+// for one round trip, not two in a row).
 template <int CB, int MT, bool DOWN>
 __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
-                                              int mat, int slice, int part, int kb0, int kb1) {
-#define TS_MOE_RATE(KA, HALF)                                                              \
+                                              int mat, int slice, int part, int kb0, int kb1, int words,
+                                              const int16_t* tr) {
+#define TS_MOE_RATE(KA, HALF)                                                                  \
   case 16 * KA + (HALF ? 8 : 0):                                                       \
-    gemm_body<CB, MT, DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1); \
+    gemm_body<CB, MT, DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr); \
     break;
-  switch (p.words[e * 3 + mat]) {
+  switch (words) {
     TS_MOE_RATE(1, false)
     TS_MOE_RATE(2, false)
     TS_MOE_RATE(3, false)
@@ -758,17 +794,23 @@ struct Piece {
   int item, mat, slice, part, parts;
 };
 
+// Down: grid (H/128, max_items), item-major: an item's blocks start together, so with early_down the first down
+// blocks to get SM slots are those of the first items gate/up finishes.
+__device__ __forceinline__ Piece down_piece() {
+  return Piece{static_cast<int>(blockIdx.y), 2, static_cast<int>(blockIdx.x), 0, 1};
+}
+
 // Gate/up with short_groups > 0 (16-row items, decode): a 1-D grid of pieces, largest first. The first
 // short_groups (item, slice) groups are split into splitk - 1 parts, the others into splitk, so the grid fills the
 // SMs' block slots without a second wave; blocks start in index order, spread over the SMs, so each SM gets at most
 // one of the larger pieces (T=1 at 5120/1152 on 132 SMs: 108 pieces of 12-14 k-blocks, 288 of 10, at most 34
 // k-blocks per SM against 42 for the uniform 3-part split). Within a part: groups in order, gate then up.
-// Otherwise the 3-D grid (item, mat * slices + slice, part).
+// Otherwise the 3-D grid (mat * slices + slice, part, item): item-major, so items finish in order (early_down).
 __device__ __forceinline__ Piece gate_up_piece(const GemmParams& p) {
   const int slices = p.I / 128;
   if (p.short_groups == 0) {
-    const int y = blockIdx.y, mat = y / slices;
-    return Piece{static_cast<int>(blockIdx.x), mat, y - mat * slices, static_cast<int>(blockIdx.z), p.splitk};
+    const int x = blockIdx.x, mat = x / slices;
+    return Piece{static_cast<int>(blockIdx.z), mat, x - mat * slices, static_cast<int>(blockIdx.y), p.splitk};
   }
   const int ns = p.short_groups, ps = p.splitk - 1, n_short = 2 * ns * ps;
   int i = blockIdx.x, span, first, parts;
@@ -790,7 +832,8 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
   trace_mark(p.trace, DOWN, 1);
-  const int item = DOWN ? static_cast<int>(blockIdx.x) : gate_up_piece(p).item;
+  const Piece pc = DOWN ? down_piece() : gate_up_piece(p);
+  const int item = pc.item;
   // The down kernel is launched with launch_pdl (common/pdl.cuh): once every gate/up block has started, its blocks
   // may take free SM slots, route and fetch their first weight tiles, and wait there for gate/up to finish.
   if constexpr (!DOWN) pdl_launch_dependents();
@@ -814,21 +857,19 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
     // No local pair at all: nobody counts the slices, so item 0 writes the (zero) output itself.
     if (DOWN && p.fuse_convert && nitems == 0 && item == 0) {
       pdl_wait();  // gate/up zeroed out32
-      convert_columns(p, blockIdx.y * 128);
+      convert_columns(p, pc.slice * 128);
     }
     return;
   }
   const int e = p.small_route ? rows.e : p.items[3 * item];
   const int rcnt = p.small_route ? rows.rcnt : p.items[3 * item + 2];
   const int rbeg = p.small_route ? 0 : p.items[3 * item + 1];
-  const Piece pc = DOWN ? Piece{item, 2, static_cast<int>(blockIdx.y), 0, 1} : gate_up_piece(p);
   const int mat = pc.mat, slice = pc.slice;
-  int kb0 = 0, kb1 = p.I / 128;
-  if constexpr (!DOWN) {
-    const int kbs = p.H / 128, per = (kbs + pc.parts - 1) / pc.parts;
-    kb0 = pc.part * per;
-    kb1 = min(kbs, kb0 + per);
-  }
+  const int kbs = (DOWN ? p.I : p.H) / 128, per = (kbs + pc.parts - 1) / pc.parts;
+  const int kb0 = pc.part * per, kb1 = min(kbs, kb0 + per);
+  const int words = p.words[e * 3 + mat];  // both in flight over the row tables' barrier
+  const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
+  if (threadIdx.x == 0) rows.item = item;
   for (int r = threadIdx.x; r < rcnt; r += kThreads) {
     const int pair = p.small_route ? rows.pair[r] : p.sorted[rbeg + r];
     rows.pair[r] = pair;
@@ -837,7 +878,7 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
   }
   __syncthreads();
   trace_mark(p.trace, DOWN, 2);
-  if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, pc.part, kb0, kb1);
+  if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, pc.part, kb0, kb1, words, tr);
   trace_mark(p.trace, DOWN, 3);
   if constexpr (MT == 1 && !DOWN) finish_act(p, rows, item, e, rcnt, slice, pc.parts);
   if constexpr (DOWN) pdl_wait();  // (returns at once: gemm_body waited) before the arrival on gate/up's counters
@@ -848,11 +889,11 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
       // acquire-release arrival (common/arrive.cuh).
       __shared__ bool last;
       __syncthreads();
-      if (threadIdx.x == 0) last = arrive_acq_rel(p.counters + blockIdx.y) == nitems - 1;
+      if (threadIdx.x == 0) last = arrive_acq_rel(p.counters + slice) == nitems - 1;
       __syncthreads();
       if (last) {
         trace_mark(p.trace, 1, 5);
-        convert_columns(p, blockIdx.y * 128);
+        convert_columns(p, slice * 128);
       }
     }
   }
@@ -873,8 +914,9 @@ cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaSt
     if (err != cudaSuccess) return err;
   }
   const int groups = max_items * (p.I / 128), ns = p.short_groups;
-  const dim3 grid = !DOWN && ns > 0 ? dim3(2 * ns * (p.splitk - 1) + 2 * (groups - ns) * p.splitk)
-                                    : dim3(max_items, DOWN ? p.H / 128 : 2 * (p.I / 128), DOWN ? 1 : p.splitk);
+  const dim3 grid = DOWN     ? dim3(p.H / 128, max_items)
+                    : ns > 0 ? dim3(2 * ns * (p.splitk - 1) + 2 * (groups - ns) * p.splitk)
+                             : dim3(2 * (p.I / 128), p.splitk, max_items);
   if (DOWN) return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();

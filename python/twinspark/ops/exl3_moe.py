@@ -29,6 +29,7 @@ _ID_DTYPES = (torch.int32, torch.int64)
 ACTIVATIONS = _reference.ACTIVATIONS
 MAX_EXPERTS = 4000  # the routing kernel counts in shared memory
 DECODE_MAX_PAIRS = 64  # T * top_k up to this: decode (2 launches: in-block routing, split-k, fused convert)
+MAX_ITEMS = 65535  # the kernels' grid y / z extent (exl3_moe.h)
 GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers x 256 threads; moe_gemm.cuh MINB)
 
 
@@ -127,8 +128,11 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # mul1 items of <= 4 rows: the byte-sum mma (the tensor cores add each weight's product bytes; moe_gemm.cuh).
     # TWINSPARK_EXL3_MOE_BYTESUM=0 keeps the fp16 decode (same-build A/B in bench_exl3_moe.py).
     bytesum = os.environ.get("TWINSPARK_EXL3_MOE_BYTESUM", "1") != "0"
+    # 16-row items: each down block waits for its own item's activations, not for the whole gate/up grid
+    # (TWINSPARK_EXL3_MOE_EARLY_DOWN=0: the grid).
+    early_down = mt == 1 and os.environ.get("TWINSPARK_EXL3_MOE_EARLY_DOWN", "1") != "0"
     return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
-                small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum)
+                small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum, early_down=early_down)
 
 
 def _whole_parts(kblocks: int, parts: int) -> int:
@@ -150,12 +154,15 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     dev = x.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index))
+    if cfg["max_items"] > MAX_ITEMS:
+        raise ValueError(f"exl3_moe: {T} tokens x top-{top_k} may make {cfg['max_items']} expert items, more than the "
+                         f"kernel grid's {MAX_ITEMS}; pass fewer tokens per call")
     C = _ext.module()
     n_int, n_f32 = C.exl3_moe_workspace(T, top_k, hidden, inter, cfg["max_items"], cfg["splitk"], cfg["mt"])
     ws_int = torch.empty(n_int, dtype=torch.int32, device=dev)
     ws_f32 = torch.empty(n_f32, dtype=torch.float32, device=dev)
     # 16-row items: arrival counters that the kernels leave zero (per stream, made once; see ops.workspace)
-    act_counters = (workspace(dev).zeroed("moe_act_counters", cfg["max_items"] * (inter // 128), torch.int32,
+    act_counters = (workspace(dev).zeroed("moe_act_counters", cfg["max_items"] * (inter // 128 + 1), torch.int32,
                                           capture_id(dev)).data_ptr() if cfg["mt"] == 1 else 0)
     xc = x.contiguous()  # the launch reads these: keep them alive until it is queued
     ids32 = ids.to(torch.int32).contiguous()
@@ -168,7 +175,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
-            cfg["small_route"], cfg["bytesum"], _ext.stream_ptr(dev), 0 if trace is None else trace.data_ptr(),
+            cfg["small_route"], cfg["bytesum"], cfg["early_down"], _ext.stream_ptr(dev), 0 if trace is None else trace.data_ptr(),
         )
     return out
 
