@@ -564,45 +564,62 @@ __device__ __forceinline__ void down_out(const GemmParams& p, const RowTables& r
   }
 }
 
-// The 16-row body for mul1 items of <= 4 rows with the byte-sum mma (see "byte-sum mma" above): the same chunked
-// A and trellis ring as gemm_body, x' as bytes.
-template <bool DOWN, int KA, bool HALF>
-__device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
-                                                int mat, int slice, int part, int kb0, int kb1, const int16_t* tr) {
-  constexpr int kW = 16 * KA + (HALF ? 8 : 0);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// 16-row items (both bodies): A of up to `chunk` k-blocks is built (gate/up) or copied (down) at once (one memory
+// round trip per chunk) and the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while one is
+// multiplied). fill(c0, cn): A of the chunk's k-blocks kb0 + c0 .. kb0 + c0 + cn - 1; step(tb, j): multiply k-block j
+// of the chunk, its tiles in tb.
+template <bool DOWN, int kW, class Fill, class Step>
+__device__ __forceinline__ void chunk_ring(const GemmParams& p, const RowTables& rows, const int16_t* tr, int slice,
+                                           int kb0, int nkb, int chunk, int16_t* tbuf, Fill&& fill, Step&& step) {
   const int tiles_n = (DOWN ? p.H : p.I) / 16;
-  const int nkb = kb1 - kb0, chunk = bytes_chunk(DOWN, rcnt);
-  uint8_t* xq = reinterpret_cast<uint8_t*>(smem);
-  float4* sc = reinterpret_cast<float4*>(smem + a_region_bytes(DOWN) - kBytesScaleBytes);
-  int16_t* tbuf = reinterpret_cast<int16_t*>(smem + a_region_bytes(DOWN));  // [kStages][64][kW]
-  const int g = lane >> 2, t = lane & 3;
-  const uint8_t* xl = xq + ((g < 2 * rcnt ? g : (g & 1)) * 4 + t) * bytes_slot_stride(chunk);  // this lane's slot
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
     cp_async_commit();
   }
   if constexpr (DOWN) wait_act(p, rows.item);  // the weights are on their way; A is what the gate/up kernel made
-  float f[2] = {0.f, 0.f};
   for (int c0 = 0; c0 < nkb; c0 += chunk) {
     const int cn = min(chunk, nkb - c0);
-    if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's x'
-    if constexpr (DOWN) {
-      copy_act_bytes(p, rows, rcnt, kb0 + c0, cn, chunk, xq, sc);
-    } else {
-      produce_bytes(p, rows, rcnt, e, mat, kb0 + c0, cn, chunk, xq, sc);
-    }
+    if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A
+    fill(c0, cn);
     for (int i = c0; i < c0 + cn; ++i) {
       cp_async_wait<kStages - 2>();  // this thread's copies of k-block i have landed
-      __syncthreads();               // everyone's have; x' is ready; buffer (i - 1) % kStages is free
+      __syncthreads();               // everyone's have; A is ready; buffer (i - 1) % kStages is free
       const int nx = i + kStages - 1;
       if (nx < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + nx, tbuf + (nx % kStages) * 64 * kW);
       cp_async_commit();  // possibly empty: keeps one group per k-block
-      mma_kblock_bytes<KA, HALF>(tbuf + (i % kStages) * 64 * kW, reinterpret_cast<const uint4*>(xl + (i - c0) * 128),
-                                 sc + (i - c0) * kBytesRows + t, p.opaque, f);
+      step(tbuf + (i % kStages) * 64 * kW, i - c0);
     }
   }
+}
+
+// The 16-row body for mul1 items of <= 4 rows with the byte-sum mma (see "byte-sum mma" above): the same chunked
+// A and trellis ring as gemm_body (chunk_ring), x' as bytes.
+template <bool DOWN, int KA, bool HALF>
+__device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
+                                                int mat, int slice, int part, int kb0, int kb1, const int16_t* tr) {
+  constexpr int kW = 16 * KA + (HALF ? 8 : 0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nkb = kb1 - kb0, chunk = bytes_chunk(DOWN, rcnt);
+  uint8_t* xq = reinterpret_cast<uint8_t*>(smem);
+  float4* sc = reinterpret_cast<float4*>(smem + a_region_bytes(DOWN) - kBytesScaleBytes);
+  int16_t* tbuf = reinterpret_cast<int16_t*>(smem + a_region_bytes(DOWN));  // [kStages][64][kW]
+  const int g = lane >> 2, t = lane & 3;
+  const uint8_t* xl = xq + ((g < 2 * rcnt ? g : (g & 1)) * 4 + t) * bytes_slot_stride(chunk);  // this lane's slot
+  float f[2] = {0.f, 0.f};
+  chunk_ring<DOWN, kW>(
+      p, rows, tr, slice, kb0, nkb, chunk, tbuf,
+      [&](int c0, int cn) {
+        if constexpr (DOWN) {
+          copy_act_bytes(p, rows, rcnt, kb0 + c0, cn, chunk, xq, sc);
+        } else {
+          produce_bytes(p, rows, rcnt, e, mat, kb0 + c0, cn, chunk, xq, sc);
+        }
+      },
+      [&](const int16_t* tb, int j) {
+        mma_kblock_bytes<KA, HALF>(tb, reinterpret_cast<const uint4*>(xl + j * 128), sc + j * kBytesRows + t, p.opaque,
+                                   f);
+      });
   // lane (g, t): output columns warp * 16 + g and + 8 of row t
   const float y0 = exl3::kMul1Scale * f[0], y1 = exl3::kMul1Scale * f[1];
   if constexpr (!DOWN) {
@@ -657,35 +674,23 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
     const int chunk = kChunkKb * 16 / arows;
     __half* abuf = reinterpret_cast<__half*>(smem);                               // [chunk][arows][kAStride]
     int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + kChunkKb * 16 * kAStride);  // [kStages][64][kW]
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
-      cp_async_commit();
-    }
-    if constexpr (DOWN) wait_act(p, rows.item);  // the weights are on their way; A is what the gate/up kernel made
-    for (int c0 = 0; c0 < nkb; c0 += chunk) {
-      const int cn = min(chunk, nkb - c0);
-      if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A
-      if constexpr (DOWN) {
-        copy_act_chunk(p, rows, rcnt, kb0 + c0, cn, arows, abuf);
-      } else {
-        produce_chunk(p, rows, rcnt, e, mat, kb0 + c0, cn, arows, abuf);
-      }
-      for (int i = c0; i < c0 + cn; ++i) {
-        cp_async_wait<kStages - 2>();  // this thread's copies of k-block i have landed
-        __syncthreads();               // everyone's have; A is ready; buffer (i - 1) % kStages is free
-        const int nx = i + kStages - 1;
-        if (nx < nkb) issue_tiles<kW>(tr, tiles_n, slice, kb0 + nx, tbuf + (nx % kStages) * 64 * kW);
-        cp_async_commit();  // possibly empty: keeps one group per k-block
-        const int16_t* tb = tbuf + (i % kStages) * 64 * kW;
-        const __half* ab = abuf + (i - c0) * arows * kAStride;
-        if (rcnt > 8) {
-          mma_kblock<CB, MT, KA, HALF, true>(tb, ab, rcnt, acc);
-        } else {
-          mma_kblock<CB, MT, KA, HALF, false>(tb, ab, rcnt, acc);
-        }
-      }
-    }
+    chunk_ring<DOWN, kW>(
+        p, rows, tr, slice, kb0, nkb, chunk, tbuf,
+        [&](int c0, int cn) {
+          if constexpr (DOWN) {
+            copy_act_chunk(p, rows, rcnt, kb0 + c0, cn, arows, abuf);
+          } else {
+            produce_chunk(p, rows, rcnt, e, mat, kb0 + c0, cn, arows, abuf);
+          }
+        },
+        [&](const int16_t* tb, int j) {
+          const __half* ab = abuf + j * arows * kAStride;
+          if (rcnt > 8) {
+            mma_kblock<CB, MT, KA, HALF, true>(tb, ab, rcnt, acc);
+          } else {
+            mma_kblock<CB, MT, KA, HALF, false>(tb, ab, rcnt, acc);
+          }
+        });
   } else {
     // 64-row items (prefill): A and the tiles of the next k-block are built/staged while this one is multiplied.
     __half* abuf = reinterpret_cast<__half*>(smem);                           // [2][kRows][kAStride]

@@ -125,6 +125,8 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # H200, 2026-12-01 (exl3_moe_v12_act / v13_down3 logs): 3 per SM is 3-5% faster at T=4 and T=8, but 5-10%
     # slower at T=1 (240 blocks): the extra room lets the down blocks pile onto the SMs that finish gate/up first.
     down_min_blocks = 3 if max_items * (hidden // 128) > 2 * sms else 2
+    if os.environ.get("TWINSPARK_EXL3_MOE_DOWN_BLOCKS") in ("2", "3"):  # benchmark sweeps
+        down_min_blocks = int(os.environ["TWINSPARK_EXL3_MOE_DOWN_BLOCKS"])
     # mul1 items of <= 4 rows: the byte-sum mma (the tensor cores add each weight's product bytes; moe_gemm.cuh).
     # TWINSPARK_EXL3_MOE_BYTESUM=0 keeps the fp16 decode (same-build A/B in bench_exl3_moe.py).
     bytesum = os.environ.get("TWINSPARK_EXL3_MOE_BYTESUM", "1") != "0"
