@@ -121,10 +121,11 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     if decode and not forced and room >= 2 and _whole_parts(kblocks, splitk + 1) == splitk + 1:
         long_groups = min(groups, room // 2)
         splitk, short_groups = splitk + 1, groups - long_groups
-    # The 16-row down kernel: 3 blocks per SM (80 registers) once its grid is more than 2 per SM, else 2 (104).
-    # H200, 2026-12-01 (exl3_moe_v12_act / v13_down3 logs): 3 per SM is 3-5% faster at T=4 and T=8, but 5-10%
-    # slower at T=1 (240 blocks): the extra room lets the down blocks pile onto the SMs that finish gate/up first.
-    down_min_blocks = 3 if max_items * (hidden // 128) > 2 * sms else 2
+    # The 16-row down kernel: 3 blocks per SM (80 registers) once its grid is more than 4 per SM, else 2 (104).
+    # H200, with early_down (exl3_moe_v18_plan_sweep_h200.log, K=2/3/4): T=2 (480 blocks) 2 per SM 65.6-66.0 / 76.0 /
+    # 69.0 us against 66.6-66.9 / 77.4 / 71.0 at 3; T=4 (960) 3 per SM 114.3 / 134.2 / 120.7 against 118.2 / 137.2 /
+    # 124.0 at 2, and 3 at T=8 and T=32 too. T=1 (240 blocks) stays at 2 (3: +5-10%, exl3_moe_v13_down3_h200.log).
+    down_min_blocks = 3 if max_items * (hidden // 128) > 4 * sms else 2
     if os.environ.get("TWINSPARK_EXL3_MOE_DOWN_BLOCKS") in ("2", "3"):  # benchmark sweeps
         down_min_blocks = int(os.environ["TWINSPARK_EXL3_MOE_DOWN_BLOCKS"])
     # mul1 items of <= 4 rows: the byte-sum mma (the tensor cores add each weight's product bytes; moe_gemm.cuh).
