@@ -8,9 +8,10 @@
 #   -t  test files/node ids for `pytest -m gpu` (default: none; "all" = tests/test_*.py)
 #   -k  pytest -k expression          -b  benchmark names for bench/run.py (default: none)
 #   -B  extra args for the bench files (run directly, not through bench/run.py; e.g. "--quick")
-#   --ab DIR  same-machine A/B: DIR is a base source tree made here by scripts/ab-base.sh REV (carry ".ab");
-#       it is built beside this tree in the same call, and each -b benchmark (needs -B) runs on both,
-#       alternating "new" and "base" for --ab-rounds rounds; both land in $OUT/bench.log under "== new|base <round>"
+#   --ab "DIR..."  same-machine A/B: each DIR is a source tree made here by scripts/ab-base.sh (carry ".ab");
+#       they are built beside this tree in the same call, and each -b benchmark (needs -B) runs on every tree,
+#       alternating "new" and each DIR for --ab-rounds rounds; all land in $OUT/bench.log under
+#       "== new <round>" and "== <basename of DIR> <round>"
 #   --env-ab VAR  same-build A/B of a switch read from the environment: each -b benchmark (needs -B) runs with VAR=1
 #       ("new") and VAR=0 ("base"), alternating for --ab-rounds rounds, under the same "== new|base <round>" headers
 #   --env-sets "SETS"  same-build comparison of several environments: SETS is '|'-separated, each a space-separated
@@ -43,22 +44,28 @@ done
 status=0
 fail() { [ $status -eq 0 ] && status=$1; }
 
+AB_PIDS=()
 if [ -n "$AB" ]; then
-  if [ ! -f "$AB/CMakeLists.txt" ]; then
-    echo "device-run.sh: --ab $AB is not a source tree; make it with scripts/ab-base.sh REV and carry \".ab\"" >&2
-    exit 2
-  fi
   if [ -z "$BENCH" ] || [ -z "$BENCH_ARGS" ]; then
     echo "device-run.sh: --ab compares benchmarks: give -b NAMES and -B \"ARGS\" (the bench files are run directly)" >&2
     exit 2
   fi
-  # The base build runs beside this tree's build and tests (separate build dir, --upgrade: a warm machine keeps
-  # /tmp, and pip --target does not replace an existing package without it).
-  ( t0=$(date +%s) && cd "$AB" && CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) / 2 + 1 )) TWINSPARK_CUDA_ARCHS="$ARCHS" \
-      python3 -m pip install --no-build-isolation --no-deps --upgrade --target /tmp/ab-base-site . >"$OUT/build_base.log" 2>&1 \
-    && cp /tmp/ab-base-site/twinspark/_C*.so python/twinspark/ \
-    && echo "base build ($(cat AB_REV 2>/dev/null)): $(( $(date +%s) - t0 )) s" >>"$OUT/build_base.log" ) &
-  AB_PID=$!
+  for d in $AB; do
+    if [ ! -f "$d/CMakeLists.txt" ]; then
+      echo "device-run.sh: --ab $d is not a source tree; make it with scripts/ab-base.sh REV and carry \".ab\"" >&2
+      exit 2
+    fi
+  done
+  # The other builds run beside this tree's build and tests (separate build dirs, --upgrade: a warm machine keeps
+  # /tmp, and pip --target does not replace an existing package without it). build_<name>.log each.
+  for d in $AB; do
+    n=$(basename "$d")
+    ( t0=$(date +%s) && cd "$d" && CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) / 2 + 1 )) TWINSPARK_CUDA_ARCHS="$ARCHS" \
+        python3 -m pip install --no-build-isolation --no-deps --upgrade --target "/tmp/ab-$n-site" . >"$OUT/build_$n.log" 2>&1 \
+      && cp "/tmp/ab-$n-site"/twinspark/_C*.so python/twinspark/ \
+      && echo "$n build ($(cat AB_REV 2>/dev/null)): $(( $(date +%s) - t0 )) s" >>"$OUT/build_$n.log" ) &
+    AB_PIDS+=($!)
+  done
 fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/build.log"
@@ -95,13 +102,17 @@ run_bench_files() {
 if [ -n "$BENCH" ]; then
   mkdir -p "$OUT/bench"
   if [ -n "$AB" ]; then
-    wait "$AB_PID" || { echo "base build failed: see build_base.log" | tee -a "$OUT/bench.log"; fail 12; }
-    tail -1 "$OUT/build_base.log"
+    for pid in "${AB_PIDS[@]}"; do
+      wait "$pid" || { echo "an --ab build failed: see build_*.log" | tee -a "$OUT/bench.log"; fail 12; }
+    done
+    for d in $AB; do tail -1 "$OUT/build_$(basename "$d").log"; done
     for r in $(seq "$AB_ROUNDS"); do
       echo "== new $r ($BENCH)" | tee -a "$OUT/bench.log"
       run_bench_files . "$OUT/bench/new"
-      echo "== base $r ($BENCH, $(cat "$AB/AB_REV" 2>/dev/null))" | tee -a "$OUT/bench.log"
-      run_bench_files "$AB" "$OUT/bench/base"
+      for d in $AB; do
+        echo "== $(basename "$d") $r ($BENCH, $(cat "$d/AB_REV" 2>/dev/null))" | tee -a "$OUT/bench.log"
+        run_bench_files "$d" "$OUT/bench/$(basename "$d")"
+      done
     done
   elif [ -n "$ENV_AB" ]; then
     [ -n "$BENCH_ARGS" ] || { echo "device-run.sh: --env-ab needs -B \"ARGS\"" >&2; exit 2; }

@@ -289,6 +289,28 @@ __device__ __forceinline__ uint32_t lane_state_fma(uint32_t a0, uint32_t a1, uin
   }
 }
 
+// lane_state with its shifted views on the FMA pipe (mul1_state, even K): a view r = 1..31 bits into a window word
+// that holds all it serves is w * 2^r as an IMAD by a run-time power of two, and its cuts take run-time permute
+// selectors, so ptxas neither folds the shift into them (a shift and a mask) nor moves the view back to the ALU pipe.
+// The byte-sum loop has only its products on the FMA pipe (8 IMADs per tile against ~12 ALU ops at K=2).
+template <int K, int I>
+__device__ __forceinline__ uint32_t lane_state_views_fma(uint32_t a0, uint32_t a1, uint32_t a2, const OpaqueConsts& oc) {
+  constexpr CutPlan pl = CutPlanFor<K>::kPlan;
+  constexpr int P = pl.view[I], q = P >> 5, r = P & 31, E = pl.cut[I];
+  if constexpr (E >= 0 && r != 0 && r + pl.span[I] <= 32) {
+    const uint32_t v = (q == 0 ? a0 : (q == 1 ? a1 : a2)) * oc.pow2[r];
+    if constexpr (E == 0) {
+      return __byte_perm(v, oc.zero, oc.sel_hi);
+    } else if constexpr (E == 8) {
+      return __byte_perm(v, oc.zero, oc.sel_mid);
+    } else {
+      return v & 0xFFFFu;
+    }
+  } else {
+    return lane_state<K, I>(a0, a1, a2);
+  }
+}
+
 // The byte-sum path's cut of state I. Odd K: lane_state_fma (no two states are 8 or 16 bits apart, so each state
 // has its own view; with the views on the FMA pipe the ALU and FMA pipes balance). Even K: lane_state, whose shared
 // views already keep the ALU pipe below the issue rate (SASS of the 8-tile loop per tile, sm_90a: K=3 32.3 issue
@@ -298,7 +320,7 @@ __device__ __forceinline__ uint32_t mul1_state(uint32_t a0, uint32_t a1, uint32_
   if constexpr (K % 2 == 1) {
     return lane_state_fma<K, I>(a0, a1, a2, oc);
   } else {
-    return lane_state<K, I>(a0, a1, a2);
+    return lane_state_views_fma<K, I>(a0, a1, a2, oc);
   }
 }
 
