@@ -76,7 +76,12 @@ def kernels(lines: list[str]):
 def report(path: Path, n_groups: int, n_list: int) -> int:
     lines = path.read_text(errors="replace").splitlines()
     found = False
+    seen = set()
     for title, header, rows in kernels(lines):
+        key = (tuple(title), len(rows), tuple(rows[0]))
+        if key in seen:  # ncu prints a kernel's table once per section that has source metrics
+            continue
+        seen.add(key)
         a, s = _col(header, "address"), _col(header, "source")
         smp, nis = _col(header, "stall sampling", "all"), _col(header, "not-issued")
         ex = _col(header, "instructions executed")
