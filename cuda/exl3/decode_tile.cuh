@@ -312,9 +312,10 @@ __device__ __forceinline__ uint32_t lane_state_views_fma(uint32_t a0, uint32_t a
 }
 
 // The byte-sum path's cut of state I. Odd K: lane_state_fma (no two states are 8 or 16 bits apart, so each state
-// has its own view; with the views on the FMA pipe the ALU and FMA pipes balance). Even K: lane_state, whose shared
-// views already keep the ALU pipe below the issue rate (SASS of the 8-tile loop per tile, sm_90a: K=3 32.3 issue
-// slots with 17.6 ALU ops -> 32.0 with 12.2; K=2 26.7 and K=4 24.6 with lane_state, 26.3 and 26.3 with the FMA views).
+// has its own view; with the views on the FMA pipe the ALU and FMA pipes balance: SASS of the 8-tile loop per tile,
+// sm_90a, K=3 32.3 issue slots with 17.6 ALU ops -> 32.0 with 12.2). Even K: the shared views of lane_state, made on
+// the FMA pipe where they sit inside one word (lane_state_views_fma; K=2 ALU 12.6 -> 10.1, FMA 9.9 -> 12.4 per tile,
+// -0.7..1.3% per layer on the H200, cuda/exl3_moe/NOTES.md v14; K=4's views cross words and stay funnel shifts).
 template <int K, int I>
 __device__ __forceinline__ uint32_t mul1_state(uint32_t a0, uint32_t a1, uint32_t a2, const OpaqueConsts& oc) {
   if constexpr (K % 2 == 1) {
