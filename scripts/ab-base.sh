@@ -13,8 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rev="${1:?usage: scripts/ab-base.sh REV [NAME [PATCH]] (a commit, branch or tag to compare the working tree against)}"
 name="${2:-base}" patch="${3:-}"
-if [[ ! "$name" =~ ^[A-Za-z0-9_-]+$ ]]; then
-  echo "ab-base.sh: NAME '$name' must be letters, digits, _ or - (it names .ab/NAME and the bench log sections)." >&2
+if [[ ! "$name" =~ ^[A-Za-z0-9_-]+$ ]] || [ "$name" = new ]; then
+  echo "ab-base.sh: NAME '$name' must be letters, digits, _ or - and not 'new' (it names .ab/NAME and the bench log" \
+    "sections; 'new' is the working tree's)." >&2
   exit 2
 fi
 if [ -n "$patch" ] && [ ! -f "$patch" ]; then
