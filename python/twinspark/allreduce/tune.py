@@ -88,6 +88,9 @@ def run(args) -> int:
         if rank == 0:
             print(f"{size:>9d} B  {comm.fast.name:5s} {fast_us:9.1f} us   torch.distributed {slow_us:9.1f} us", flush=True)
     comm.check()
+    # Every rank is past check() before any closes its connection: a peer that hangs up while this rank still checks
+    # reads as a failed peer (CI: rank 1 closed while rank 0 printed its last row).
+    dist.barrier(cpu_group)
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         best = crossover(rows)
