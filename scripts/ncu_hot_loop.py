@@ -22,9 +22,9 @@ from pathlib import Path
 
 
 def _col(header: list[str], *needles: str) -> int:
-    for i, h in enumerate(
-        header
-    ):  # an exact name first ("Instructions Executed", not "Thread Instructions ...")
+    """Index of the first column whose name holds every needle; an exact name first ("Instructions Executed", not
+    "Thread Instructions Executed"). -1: none."""
+    for i, h in enumerate(header):
         if len(needles) == 1 and h.strip().lower() == needles[0]:
             return i
     for i, h in enumerate(header):
