@@ -264,6 +264,20 @@ inline OpaqueConsts opaque_consts() {
   return c;
 }
 
+// The 16 bits E = 0 or 8 bits into view v (bytes 2, 3 or 1, 2), or E = 16 (a mask), with run-time permute selectors
+// and zero: ptxas cannot turn the permute into a shift and a mask, nor fold the shift that made v into it.
+template <int E>
+__device__ __forceinline__ uint32_t cut_opaque(uint32_t v, const OpaqueConsts& oc) {
+  static_assert(E == 0 || E == 8 || E == 16, "a view's cuts are 0, 8 or 16 bits in");
+  if constexpr (E == 0) {
+    return __byte_perm(v, oc.zero, oc.sel_hi);
+  } else if constexpr (E == 8) {
+    return __byte_perm(v, oc.zero, oc.sel_mid);
+  } else {
+    return v & 0xFFFFu;
+  }
+}
+
 // The state I of the lane with its view on the FMA pipe (mul1_state, odd K): its 16 bits start r = bit % 32 into
 // window word w. r = 0, 8, 16: one op on w (>> 16, a byte permute, a mask). Otherwise, where the state ends inside
 // w: w << (r & 7) as an IMAD by a run-time power of two, then a byte permute (bytes 2, 3 or 1, 2) with a run-time
@@ -277,13 +291,10 @@ __device__ __forceinline__ uint32_t lane_state_fma(uint32_t a0, uint32_t a1, uin
   const uint32_t w = q == 0 ? a0 : (q == 1 ? a1 : a2);
   if constexpr (r == 0) {
     return w >> 16;
-  } else if constexpr (r == 8) {
-    return __byte_perm(w, oc.zero, oc.sel_mid);  // bytes 1, 2
-  } else if constexpr (r == 16) {
-    return w & 0xFFFFu;
+  } else if constexpr (r == 8 || r == 16) {
+    return cut_opaque<r>(w, oc);
   } else if constexpr (r + 16 <= 32) {
-    const uint32_t v = w * oc.pow2[r0];  // w << r0
-    return __byte_perm(v, oc.zero, r == r0 ? oc.sel_hi : oc.sel_mid);
+    return cut_opaque<r - r0>(w * oc.pow2[r0], oc);  // w << r0, then the state's 16 bits of it
   } else {
     return take16<b>(a0, a1, a2);
   }
@@ -294,18 +305,12 @@ __device__ __forceinline__ uint32_t lane_state_fma(uint32_t a0, uint32_t a1, uin
 // selectors, so ptxas neither folds the shift into them (a shift and a mask) nor moves the view back to the ALU pipe.
 // The byte-sum loop has only its products on the FMA pipe (8 IMADs per tile against ~12 ALU ops at K=2).
 template <int K, int I>
-__device__ __forceinline__ uint32_t lane_state_views_fma(uint32_t a0, uint32_t a1, uint32_t a2, const OpaqueConsts& oc) {
+__device__ __forceinline__ uint32_t lane_state_views_fma(uint32_t a0, uint32_t a1, uint32_t a2,
+                                                         const OpaqueConsts& oc) {
   constexpr CutPlan pl = CutPlanFor<K>::kPlan;
   constexpr int P = pl.view[I], q = P >> 5, r = P & 31, E = pl.cut[I];
   if constexpr (E >= 0 && r != 0 && r + pl.span[I] <= 32) {
-    const uint32_t v = (q == 0 ? a0 : (q == 1 ? a1 : a2)) * oc.pow2[r];
-    if constexpr (E == 0) {
-      return __byte_perm(v, oc.zero, oc.sel_hi);
-    } else if constexpr (E == 8) {
-      return __byte_perm(v, oc.zero, oc.sel_mid);
-    } else {
-      return v & 0xFFFFu;
-    }
+    return cut_opaque<E>((q == 0 ? a0 : (q == 1 ? a1 : a2)) * oc.pow2[r], oc);
   } else {
     return lane_state<K, I>(a0, a1, a2);
   }
