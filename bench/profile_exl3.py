@@ -97,7 +97,8 @@ def _trace_moe(ex, T, calls, bm, dev, gen, warm) -> None:
             ids, w = bm.routing(T, dev, gen)
             x = torch.randn(T, bm.H, device=dev, generator=gen).bfloat16()
         mod._kernel(x, ids, w, ex.trellis, ex.offsets, ex.words, ex.suh13, ex.svh13, ex.suh2, ex.svh2,
-                    ex.first_expert, ex.max_words, ex.codebook, None, trace=buf if i == calls - 1 else None)
+                    ex.first_expert, ex.max_words, ex.words13, ex.words2, ex.codebook, None,
+                    trace=buf if i == calls - 1 else None)
     torch.cuda.synchronize()
     rows = buf.cpu()
     ran = [rows[k][rows[k][:, 0] > 0] for k in range(2)]

@@ -3,6 +3,8 @@ CUDA kernels against the reference (marker gpu: the kernel part skips with a rea
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from twinspark import moe_layout as ml
@@ -69,6 +71,28 @@ def test_layout_round_trip_mixed_rates(gen):
     spans = sorted((int(ex.offsets[e, p]), ex.matrix_bytes(e, p) // 2) for e in range(3) for p in range(3))
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
     assert spans[-1][0] + spans[-1][1] <= ex.trellis.numel()
+
+
+def test_layout_uniform_rates():
+    """words13 / words2: the one rate of every gate/up / down matrix (the decode kernels compiled for that rate
+    alone), 0 where rates differ; construction refuses a value `words` does not bear out, and the op refuses one
+    that is no rate."""
+    ex = ml.empty([(3, 3, 2)] * 4, 128, 256)
+    assert (ex.words13, ex.words2) == (48, 32)
+    assert (ex.to("cpu").words13, ex.with_first_expert(4).words2) == (48, 32)
+    assert (ml.empty([(3, 3, 2), (3, 3, 2.5)], 128, 256).words13, ml.empty([(3, 3, 2), (3, 3, 2.5)], 128, 256).words2) \
+        == (48, 0)
+    assert (ml.empty([(3, 2, 2)] * 2, 128, 256).words13, ml.empty([(3, 2, 2)] * 2, 128, 256).words2) == (0, 32)
+    assert ml.empty([(2.5, 2.5, 1.5)], 128, 256).words13 == 40
+    with pytest.raises(ml.MoeLayoutError, match="words13=32 but not every gate/up matrix has 32 words per tile"):
+        dataclasses.replace(ex, words13=32)
+    with pytest.raises(ml.MoeLayoutError, match="words2=48 but not every down matrix"):
+        dataclasses.replace(ex, words2=48)
+    bad = dataclasses.replace(ex)
+    object.__setattr__(bad, "words2", 33)  # past the constructor's check
+    x, ids, w = torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="experts.words2 is 33, expected 0 or one rate's words per tile"):
+        exl3_moe(x, ids, w, bad)
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
@@ -145,7 +169,7 @@ def test_opcheck_and_fake_tracing(gen):
     x = torch.randn(2, 128, generator=gen).bfloat16()
     ids, w = _routing(2, 2, 3, gen)
     args = (x, ids, w, ex.trellis, ex.offsets, ex.words, ex.suh13, ex.svh13, ex.suh2, ex.svh2, 0, ex.max_words,
-            "mul1", "silu", None)
+            ex.words13, ex.words2, "mul1", "silu", None)
     torch.library.opcheck(torch.ops.twinspark.exl3_moe.default, args)
     # vLLM traces apply(): the wrapper must trace with fake tensors (no .tolist(), no data-dependent branch).
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -267,6 +291,31 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("rates", "codebook"), [(((2, 2, 2),), "mul1"), (((3, 3, 2),), "mcg"),
+                                                 (((2.5, 2.5, 4),), "3inst"), (((4, 4, 3), (4, 4, 2)), "mul1")])
+def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
+    """Layers whose gate/up (down) matrices share one rate run the 16-row kernels compiled for that rate alone
+    (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
+    kernels that dispatch on every expert's rate (TWINSPARK_EXL3_MOE_RATE_KERNELS=0) must agree with the
+    reference too. Model dimensions; decode, and the routed 16-row path (T=17)."""
+    monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
+    ex = ml.random_experts(12, 5120, 1152, rates=[rates[e % len(rates)] for e in range(12)], codebook=codebook,
+                           generator=gen)
+    assert ex.words13 == ref.words_per_tile(rates[0][0])
+    assert ex.words2 == (ref.words_per_tile(rates[0][2]) if len(rates) == 1 else 0)
+    exd = ex.to(cuda)
+    for T, top_k in ((1, 6), (4, 6), (17, 6)):
+        x, ids, w = _inputs(gen, T, top_k, 12, 5120)
+        outs = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("TWINSPARK_EXL3_MOE_RATE_KERNELS", flag)
+            got, want = _check_kernel(cuda, ex, exd, x, ids, w)
+            assert rel_l2(got, want) <= TOL, f"T={T} rate kernels {flag}"
+            outs[flag] = got
+        assert rel_l2(outs["1"], outs["0"]) <= 1e-3, f"T={T}"  # the same math; fp32 atomics land in any order
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("early", ["0", "1"])
 def test_kernel_early_down(early, gen, cuda, monkeypatch):
     """16-row items with the down blocks waiting for their own item's activations (early) or for the whole gate/up
@@ -377,7 +426,7 @@ def test_kernel_trace_marks(gen, cuda):
     x, ids, w = (t.to(cuda) for t in _inputs(gen, 1, 6, 12, 5120))
     buf = torch.zeros(_ext.module().trace_shape, dtype=torch.int64, device=cuda)
     args = (x, ids, w, ex.trellis, ex.offsets, ex.words, ex.suh13, ex.svh13, ex.suh2, ex.svh2, ex.first_expert,
-            ex.max_words, ex.codebook, None)
+            ex.max_words, ex.words13, ex.words2, ex.codebook, None)
     plain = mod._kernel(*args)
     traced = mod._kernel(*args, trace=buf)
     torch.cuda.synchronize()

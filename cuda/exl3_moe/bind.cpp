@@ -25,9 +25,9 @@ void bind_exl3_moe(py::module_& m) {
       [](std::uintptr_t x, std::uintptr_t ids, std::uintptr_t topk_w, std::uintptr_t trellis, std::uintptr_t offsets,
          std::uintptr_t words, std::uintptr_t suh13, std::uintptr_t svh13, std::uintptr_t suh2, std::uintptr_t svh2,
          std::uintptr_t ws_int, std::uintptr_t ws_f32, std::uintptr_t act_counters, std::uintptr_t out, int T, int topk,
-         int E, int H, int I, int first_expert, int max_words, int codebook, float limit, bool x_bf16, int mt,
-         int splitk, int short_groups, int max_items, int down_min_blocks, bool fuse_convert, bool small_route,
-         bool bytesum, bool early_down, std::uintptr_t stream, std::uintptr_t trace) {
+         int E, int H, int I, int first_expert, int max_words, int words13, int words2, int codebook, float limit,
+         bool x_bf16, int mt, int splitk, int short_groups, int max_items, int down_min_blocks, bool fuse_convert,
+         bool small_route, bool bytesum, bool early_down, std::uintptr_t stream, std::uintptr_t trace) {
         using twinspark::ptr;
         twinspark::Exl3MoeArgs a{};
         a.x = ptr<const void>(x);
@@ -51,6 +51,8 @@ void bind_exl3_moe(py::module_& m) {
         a.I = I;
         a.first_expert = first_expert;
         a.max_words = max_words;
+        a.words13 = words13;
+        a.words2 = words2;
         a.codebook = codebook;
         a.limit = limit;
         a.x_bf16 = x_bf16;
@@ -69,9 +71,9 @@ void bind_exl3_moe(py::module_& m) {
       py::arg("x"), py::arg("ids"), py::arg("topk_w"), py::arg("trellis"), py::arg("offsets"), py::arg("words"),
       py::arg("suh13"), py::arg("svh13"), py::arg("suh2"), py::arg("svh2"), py::arg("ws_int"), py::arg("ws_f32"),
       py::arg("act_counters"), py::arg("out"), py::arg("T"), py::arg("topk"), py::arg("E"), py::arg("H"), py::arg("I"),
-      py::arg("first_expert"), py::arg("max_words"), py::arg("codebook"), py::arg("limit"), py::arg("x_bf16"),
-      py::arg("mt"), py::arg("splitk"), py::arg("short_groups"), py::arg("max_items"), py::arg("down_min_blocks"),
-      py::arg("fuse_convert"), py::arg("small_route"), py::arg("bytesum"), py::arg("early_down"), py::arg("stream"),
-      py::arg("trace") = 0);
+      py::arg("first_expert"), py::arg("max_words"), py::arg("words13"), py::arg("words2"), py::arg("codebook"),
+      py::arg("limit"), py::arg("x_bf16"), py::arg("mt"), py::arg("splitk"), py::arg("short_groups"),
+      py::arg("max_items"), py::arg("down_min_blocks"), py::arg("fuse_convert"), py::arg("small_route"),
+      py::arg("bytesum"), py::arg("early_down"), py::arg("stream"), py::arg("trace") = 0);
 }
 #endif

@@ -15,9 +15,9 @@
 namespace twinspark {
 
 namespace moe {
-extern template cudaError_t launch_moe_gemm<exl3::kCb3inst>(const GemmParams&, bool, int, int, int, cudaStream_t);
-extern template cudaError_t launch_moe_gemm<exl3::kCbMcg>(const GemmParams&, bool, int, int, int, cudaStream_t);
-extern template cudaError_t launch_moe_gemm<exl3::kCbMul1>(const GemmParams&, bool, int, int, int, cudaStream_t);
+extern template cudaError_t launch_moe_gemm<exl3::kCb3inst>(const GemmParams&, bool, int, int, int, int, cudaStream_t);
+extern template cudaError_t launch_moe_gemm<exl3::kCbMcg>(const GemmParams&, bool, int, int, int, int, cudaStream_t);
+extern template cudaError_t launch_moe_gemm<exl3::kCbMul1>(const GemmParams&, bool, int, int, int, int, cudaStream_t);
 }  // namespace moe
 
 namespace {
@@ -143,6 +143,11 @@ constexpr bool parts_nonempty(int kbs, int parts) {
   return parts >= 1 && (parts - 1) * ((kbs + parts - 1) / parts) < kbs;
 }
 
+// 0 (rates differ) or a rate's words per tile within max_words: 16 K (K = 1..8) or 16 K + 8 (K = 1.5, 2.5, 3.5).
+constexpr bool rate_words_ok(int w, int max_words) {
+  return w == 0 || (w <= max_words && ((w % 16 == 0 && w >= 16 && w <= 128) || w == 24 || w == 40 || w == 56));
+}
+
 bool valid_args(const Exl3MoeArgs& a) {
   return a.T > 0 && a.topk >= 1 && a.topk <= 64 && a.E >= 1 && a.E <= kMaxExperts && a.H > 0 && a.H % 128 == 0 &&
          a.I > 0 && a.I % 128 == 0 && (a.mt == 1 || a.mt == 4) && a.splitk >= 1 && a.splitk <= a.H / 128 &&
@@ -152,7 +157,7 @@ bool valid_args(const Exl3MoeArgs& a) {
          a.short_groups >= 0 && a.short_groups <= a.max_items * (a.I / 128) &&
          (a.short_groups == 0 || (a.mt == 1 && parts_nonempty(a.H / 128, a.splitk - 1))) &&
          (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3) && a.max_items <= 65535 &&
-         (a.mt == 1 || !a.early_down);
+         rate_words_ok(a.words13, a.max_words) && rate_words_ok(a.words2, a.max_words) && (a.mt == 1 || !a.early_down);
 }
 
 }  // namespace
@@ -234,7 +239,8 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
 
   auto gemm = [&](bool down) {
     return exl3::with_codebook(a.codebook, [&](auto cb) {
-      return moe::launch_moe_gemm<decltype(cb)::value>(gp, down, a.mt, a.max_items, a.max_words, stream);
+      return moe::launch_moe_gemm<decltype(cb)::value>(gp, down, a.mt, a.max_items, a.max_words,
+                                                       down ? a.words2 : a.words13, stream);
     });
   };
   if ((err = gemm(false)) != cudaSuccess) return err;

@@ -18,7 +18,9 @@
 //   item count of any routing (<= 65535: a grid's y / z extent); fuse_convert: the down kernel's last block per 128
 //   columns writes `out` (else one more small launch); small_route (T*topk <= 64, mt = 1): no routing launch;
 //   early_down (mt = 1): each down block waits for its own item's activations (a ready counter per item after the
-//   act_counters), not for the whole gate/up grid.
+//   act_counters), not for the whole gate/up grid. words13 / words2: 0, or the words per tile that EVERY gate and
+//   up (down) matrix of the layer has; mt = 1 then launches kernels compiled for that rate alone (a wrong value
+//   leaves those matrices out of the result: the host takes it from the layout that made `words`).
 // Launches: decode (small_route + fuse_convert): gate/up, down. Otherwise: route (+ zeroing), gate/up, down,
 // convert. No host sync: capturable in a CUDA graph.
 // mt = 1: the last gate/up block of each (item, 128 columns of I) makes down's fp16 activations for them
@@ -47,7 +49,8 @@ struct Exl3MoeArgs {
   int32_t* act_counters;  // mt == 1: >= max_items * (I/128 + 1) ints, zero on entry and on exit (per stream)
   void* out;
   int T, topk, E, H, I, first_expert, max_words, codebook;
-  float limit;  // < 0: no clamp
+  int words13, words2;  // 0, or the one words-per-tile value of every gate/up (down) matrix (rate kernels, mt = 1)
+  float limit;          // < 0: no clamp
   bool x_bf16;
   int mt, splitk, max_items;
   int short_groups;     // mt == 1: (item, 128 columns of I) groups split into splitk - 1 parts instead of splitk

@@ -3,6 +3,6 @@
 
 namespace twinspark {
 namespace moe {
-template cudaError_t launch_moe_gemm<exl3::kCb3inst>(const GemmParams&, bool, int, int, int, cudaStream_t);
+template cudaError_t launch_moe_gemm<exl3::kCb3inst>(const GemmParams&, bool, int, int, int, int, cudaStream_t);
 }  // namespace moe
 }  // namespace twinspark

@@ -786,11 +786,19 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
 
 // Rate of expert e's matrix from its words per tile; calls the body decoded for that rate. words and tr (the
 // matrix's trellis) are read by the caller, both loads in flight at once (the switch and the first weight fetch wait
-// for one round trip, not two in a row).
-template <int CB, int MT, bool DOWN>
+// for one round trip, not two in a row). WORDS != 0: a kernel for layers whose matrices of this half all have that
+// rate (the host knows: Exl3MoeArgs::words13 / words2) holds that body alone: ~1/11 of the code (at T=1 the
+// once-per-warp code runs cold on every SM) and 71-88 registers instead of 101 (down) with no spills. H200, same
+// build, with cap_blocks_per_sm (NOTES.md v15): T=1 -2.3 / -1.7 / -4.5%, T=2 -4.3 / -0.7 / -4.2% at K=2/3/4.
+template <int CB, int MT, bool DOWN, int WORDS>
 __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
                                               int mat, int slice, int part, int kb0, int kb1, int words,
                                               const int16_t* tr) {
+  if constexpr (WORDS != 0) {
+    if (words == WORDS)  // always, by the host's contract
+      gemm_body<CB, MT, DOWN, WORDS / 16, WORDS % 16 == 8>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr);
+    return;
+  }
 #define TS_MOE_RATE(KA, HALF)                                                                  \
   case 16 * KA + (HALF ? 8 : 0):                                                       \
     gemm_body<CB, MT, DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr); \
@@ -851,8 +859,9 @@ __device__ __forceinline__ Piece gate_up_piece(const GemmParams& p) {
 }
 
 // MINB: blocks per SM the registers are sized for. Gate/up of 16-row items 3 (80 registers); down of 16-row items 2
-// (104 registers) or 3 (80), chosen by the plan (python: plan_launch); 64-row items 2.
-template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2>
+// (104 registers) or 3 (80), chosen by the plan (python: plan_launch); 64-row items 2. WORDS: 0, or the one rate of
+// every matrix the kernel decodes (dispatch_rate).
+template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0>
 __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
@@ -903,7 +912,7 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
   }
   __syncthreads();
   trace_mark(p.trace, DOWN, 2);
-  if (kb0 < kb1) dispatch_rate<CB, MT, DOWN>(p, smem, rows, e, rcnt, mat, slice, pc.part, kb0, kb1, words, tr);
+  if (kb0 < kb1) dispatch_rate<CB, MT, DOWN, WORDS>(p, smem, rows, e, rcnt, mat, slice, pc.part, kb0, kb1, words, tr);
   trace_mark(p.trace, DOWN, 3);
   if constexpr (MT == 1 && !DOWN) finish_act(p, rows, item, e, rcnt, slice, pc.parts);
   if constexpr (DOWN) pdl_wait();  // (returns at once: gemm_body waited) before the arrival on gate/up's counters
@@ -925,14 +934,41 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
   trace_mark(p.trace, DOWN, 4);
 }
 
-// Host side: launch one kernel of the family (defined per codebook in gemm_<codebook>.cu).
+// Host side: launch one kernel of the family (defined per codebook in gemm_<codebook>.cu). rate_words: 0, or the
+// words per tile of every matrix this kernel decodes (16-row items: a kernel compiled for that rate alone).
 template <int CB>
-cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, cudaStream_t stream);
+cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, int rate_words,
+                            cudaStream_t stream);
 
-template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2>
+// The plan sizes the 16-row down grid for MINB = 2 blocks per SM where 3 lose (T=1: 240 blocks; at 3 per SM the
+// SMs that gate/up frees first take 3 each and the grid ends on them). The kernel that dispatches on every rate
+// needs ~101 registers, so 2 is all that fits; a kernel compiled for one rate needs 71-88, and 3 would fit. Then
+// the dynamic shared memory grows until MINB + 1 blocks no longer fit an SM.
+template <class Kernel>
+cudaError_t cap_blocks_per_sm(Kernel kernel, int minb, size_t& smem) {
+  int blocks = 0, dev = 0, per_sm = 0, reserved = 0, optin = 0;
+  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem);
+  if (err != cudaSuccess || blocks <= minb) return err;
+  cudaFuncAttributes attr{};
+  if ((err = cudaGetDevice(&dev)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess ||
+      (err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess)
+    return err;
+  const long pad = per_sm / (minb + 1) - reserved - static_cast<long>(attr.sharedSizeBytes) + 128;
+  if (pad > static_cast<long>(smem) && pad <= optin) smem = static_cast<size_t>(pad);
+  return cudaSuccess;
+}
+
+template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0>
 cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaStream_t stream) {
-  const size_t smem = gemm_smem_bytes(MT, DOWN, max_words);
-  auto kernel = moe_gemm_kernel<CB, MT, DOWN, MINB>;
+  size_t smem = gemm_smem_bytes(MT, DOWN, max_words);
+  auto kernel = moe_gemm_kernel<CB, MT, DOWN, MINB, WORDS>;
+  if constexpr (MT == 1 && DOWN && MINB == 2) {
+    const cudaError_t err = cap_blocks_per_sm(kernel, MINB, smem);
+    if (err != cudaSuccess) return err;
+  }
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -947,12 +983,37 @@ cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaSt
   return cudaGetLastError();
 }
 
+// 16-row items: the three kernels (gate/up; down at 2 or 3 blocks per SM) for rate WORDS (0: every rate).
+template <int CB, int WORDS>
+cudaError_t launch_decode(const GemmParams& p, bool down, int max_items, int max_words, cudaStream_t stream) {
+  if (!down) return launch_one<CB, 1, false, 3, WORDS>(p, max_items, max_words, stream);
+  return p.down_min_blocks == 3 ? launch_one<CB, 1, true, 3, WORDS>(p, max_items, max_words, stream)
+                                : launch_one<CB, 1, true, 2, WORDS>(p, max_items, max_words, stream);
+}
+
 template <int CB>
-cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, cudaStream_t stream) {
+cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, int rate_words,
+                            cudaStream_t stream) {
   if (mt == 1) {
-    if (!down) return launch_one<CB, 1, false>(p, max_items, max_words, stream);
-    return p.down_min_blocks == 3 ? launch_one<CB, 1, true, 3>(p, max_items, max_words, stream)
-                                  : launch_one<CB, 1, true, 2>(p, max_items, max_words, stream);
+    switch (rate_words) {  // the rates of exl3_moe.h (16 K, 16 K + 8 for K = 1.5, 2.5, 3.5)
+#define TS_MOE_DECODE(W) \
+  case W:                \
+    return launch_decode<CB, W>(p, down, max_items, max_words, stream);
+      TS_MOE_DECODE(16)
+      TS_MOE_DECODE(24)
+      TS_MOE_DECODE(32)
+      TS_MOE_DECODE(40)
+      TS_MOE_DECODE(48)
+      TS_MOE_DECODE(56)
+      TS_MOE_DECODE(64)
+      TS_MOE_DECODE(80)
+      TS_MOE_DECODE(96)
+      TS_MOE_DECODE(112)
+      TS_MOE_DECODE(128)
+#undef TS_MOE_DECODE
+      default:
+        return launch_decode<CB, 0>(p, down, max_items, max_words, stream);
+    }
   }
   if (mt == 4) {
     return down ? launch_one<CB, 4, true>(p, max_items, max_words, stream)

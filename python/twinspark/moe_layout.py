@@ -23,8 +23,11 @@ svh2        fp16    [E, H]             output scales of down
 
 Host-side fields (plain Python, so nothing on the op's path reads the device): ``hidden``, ``inter``,
 ``codebook``, ``first_expert`` (global id of local expert 0: expert-parallel sharding; routed ids outside
-``[first_expert, first_expert + E)``, and negative ids, contribute nothing) and ``max_words`` (largest
-``words`` entry, sizes the kernels' shared memory).
+``[first_expert, first_expert + E)``, and negative ids, contribute nothing), ``max_words`` (largest
+``words`` entry, sizes the kernels' shared memory) and ``words13`` / ``words2``: the one ``words`` value of every
+gate and up matrix / of every down matrix, or 0 where rates differ. ``empty`` (and so ``from_layers``) sets them
+from the plan; a nonzero value lets the decode kernels be the ones compiled for that rate alone (a fraction of
+the code: fewer instruction-fetch stalls). Construction checks them against ``words`` (one read of it).
 
 Limits: H and I multiples of 128 (the Hadamard blocks; checkpoints pad to 128), no bias on experts.
 
@@ -75,6 +78,15 @@ class Exl3MoeExperts:
     codebook: str
     first_expert: int = 0
     max_words: int = 0
+    words13: int = 0
+    words2: int = 0
+
+    def __post_init__(self):
+        for name, value, cols in (("words13", self.words13, slice(0, 2)), ("words2", self.words2, slice(2, 3))):
+            if value and not bool((self.words[:, cols] == value).all()):
+                raise MoeLayoutError(f"moe layout: {name}={value} but not every {PROJ_NAMES[cols.start]}"
+                                     f"{'/up' if name == 'words13' else ''} matrix has {value} words per tile; "
+                                     f"pass 0 (rates differ) or build the experts with moe_layout.empty / from_layers")
 
     @property
     def num_experts(self) -> int:
@@ -165,11 +177,13 @@ def empty(rates: Sequence[Sequence[float]], hidden: int, inter: int, codebook: s
     if e == 0:
         raise MoeLayoutError("moe layout: a MoE layer needs at least one expert")
     f16 = dict(dtype=torch.float16, device=device)
+    uniform = lambda w: int(w[0]) if bool((w == w[0]).all()) else 0  # noqa: E731
     return Exl3MoeExperts(
         trellis=torch.zeros(total, dtype=torch.int16, device=device), offsets=offsets.to(device),
         words=words.to(device), suh13=torch.zeros(e, 2, hidden, **f16), svh13=torch.zeros(e, 2, inter, **f16),
         suh2=torch.zeros(e, inter, **f16), svh2=torch.zeros(e, hidden, **f16), hidden=hidden, inter=inter,
-        codebook=codebook, first_expert=int(first_expert), max_words=int(words.max()))
+        codebook=codebook, first_expert=int(first_expert), max_words=int(words.max()),
+        words13=uniform(words[:, :2].reshape(-1)), words2=uniform(words[:, 2]))
 
 
 def set_matrix(experts: Exl3MoeExperts, e: int, proj: int, layer: Exl3Layer) -> None:

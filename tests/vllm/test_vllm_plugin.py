@@ -300,8 +300,8 @@ def test_decoded_moe_matches_exl3_moe_reference(plugin, gen):
     ids = torch.stack([torch.randperm(4, generator=gen)[:top_k] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, top_k, generator=gen)
     want = torch.ops.twinspark.exl3_moe(x, ids, w, experts.trellis, experts.offsets, experts.words, experts.suh13,
-                                        experts.svh13, experts.suh2, experts.svh2, 0, experts.max_words, "mul1",
-                                        "silu", None)
+                                        experts.svh13, experts.suh2, experts.svh2, 0, experts.max_words,
+                                        experts.words13, experts.words2, "mul1", "silu", None)
     hat = lambda e, p: cpu_ops.decode(experts.layer(e, p).trellis, experts.layer(e, p).K, "mul1")  # noqa: E731
     w13 = torch.stack([torch.stack([hat(e, 0), hat(e, 1)]) for e in range(4)])
     w2 = torch.stack([hat(e, 2) for e in range(4)])

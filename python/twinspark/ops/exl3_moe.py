@@ -19,7 +19,7 @@ import os
 import torch
 
 from twinspark import _ext
-from twinspark.exl3.reference import CODEBOOKS
+from twinspark.exl3.reference import CODEBOOKS, HALF_RATES, WHOLE_RATES, words_per_tile
 from twinspark.moe_layout import Exl3MoeExperts
 from twinspark.ops.workspace import capture_id, workspace
 from twinspark.reference import exl3_moe as _reference
@@ -28,6 +28,7 @@ _X_DTYPES = (torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int32, torch.int64)
 ACTIVATIONS = _reference.ACTIVATIONS
 MAX_EXPERTS = 4000  # the routing kernel counts in shared memory
+RATE_WORDS = tuple(sorted(words_per_tile(K) for K in WHOLE_RATES + HALF_RATES))  # the decode kernels per rate
 DECODE_MAX_PAIRS = 64  # T * top_k up to this: decode (2 launches: in-block routing, split-k, fused convert)
 MAX_ITEMS = 65535  # the kernels' grid y / z extent (exl3_moe.h)
 GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers x 256 threads; moe_gemm.cuh MINB)
@@ -76,6 +77,11 @@ def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, 
     if not 16 <= experts.max_words <= 128:
         raise ValueError(f"{op}: experts.max_words is {experts.max_words}, expected the largest words-per-tile "
                          f"entry (16..128); build experts with twinspark.moe_layout")
+    for name in ("words13", "words2"):
+        w = getattr(experts, name)
+        if w and (w > experts.max_words or w not in RATE_WORDS):
+            raise ValueError(f"{op}: experts.{name} is {w}, expected 0 or one rate's words per tile ({RATE_WORDS}) "
+                             f"<= max_words {experts.max_words}; build experts with twinspark.moe_layout")
     if experts.num_experts > MAX_EXPERTS:
         raise ValueError(f"{op}: at most {MAX_EXPERTS} experts per rank, got {experts.num_experts}; shard the experts "
                          f"over more ranks (expert parallelism)")
@@ -145,7 +151,7 @@ def _whole_parts(kblocks: int, parts: int) -> int:
 
 
 def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
-            codebook, limit, trace=None):
+            words13, words2, codebook, limit, trace=None):
     """The launch. trace: None, or a zeroed int64 tensor of shape _ext.module().trace_shape on x's device that the
     kernels fill with per-block timeline marks (common/trace.cuh; bench/profile_exl3.py --trace reads it)."""
     T, hidden = x.shape
@@ -157,6 +163,10 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     dev = x.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index))
+    # Uniform rates: the decode kernels compiled for that rate alone. TWINSPARK_EXL3_MOE_RATE_KERNELS=0 keeps the
+    # kernels that dispatch on every expert's rate (same-build A/B in bench_exl3_moe.py).
+    if os.environ.get("TWINSPARK_EXL3_MOE_RATE_KERNELS", "1") == "0":
+        words13 = words2 = 0
     if cfg["max_items"] > MAX_ITEMS:
         raise ValueError(f"exl3_moe: {T} tokens x top-{top_k} may make {cfg['max_items']} expert items, more than the "
                          f"kernel grid's {MAX_ITEMS}; pass fewer tokens per call")
@@ -175,7 +185,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             xc.data_ptr(), ids32.data_ptr(), w32.data_ptr(), trellis.data_ptr(), offsets.data_ptr(),
             words.data_ptr(), suh13.data_ptr(), svh13.data_ptr(), suh2.data_ptr(), svh2.data_ptr(),
             ws_int.data_ptr(), ws_f32.data_ptr(), act_counters, out.data_ptr(),
-            T, top_k, E, hidden, inter, first_expert, max_words, CODEBOOKS.index(codebook),
+            T, top_k, E, hidden, inter, first_expert, max_words, words13, words2, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
             cfg["small_route"], cfg["bytesum"], cfg["early_down"], _ext.stream_ptr(dev), 0 if trace is None else trace.data_ptr(),
@@ -186,11 +196,13 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
 @torch.library.custom_op("twinspark::exl3_moe", mutates_args=())
 def _exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, trellis: torch.Tensor,
               offsets: torch.Tensor, words: torch.Tensor, suh13: torch.Tensor, svh13: torch.Tensor,
-              suh2: torch.Tensor, svh2: torch.Tensor, first_expert: int, max_words: int, codebook: str,
-              activation: str, limit: float | None) -> torch.Tensor:
+              suh2: torch.Tensor, svh2: torch.Tensor, first_expert: int, max_words: int, words13: int, words2: int,
+              codebook: str, activation: str, limit: float | None) -> torch.Tensor:
+    # words13 / words2: Exl3MoeExperts' (0, or the rate every gate/up / down matrix has: the kernels then decode
+    # that rate only, so a wrong value drops the other matrices; Exl3MoeExperts checks them when built).
     if _ext.use_kernel(x):
         return _kernel(x, topk_ids, topk_weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert,
-                       max_words, codebook, limit)
+                       max_words, words13, words2, codebook, limit)
     experts = Exl3MoeExperts(trellis, offsets, words, suh13, svh13, suh2, svh2, hidden=suh13.shape[-1],
                              inter=svh13.shape[-1], codebook=codebook, first_expert=first_expert,
                              max_words=max_words)
@@ -199,7 +211,7 @@ def _exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 @_exl3_moe.register_fake
 def _(x, topk_ids, topk_weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
-      codebook, activation, limit):
+      words13, words2, codebook, activation, limit):
     return torch.empty_like(x)
 
 
@@ -223,7 +235,8 @@ def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     _check(x, topk_ids, topk_weights, experts, activation, limit)
     return _exl3_moe(x, topk_ids, topk_weights, experts.trellis, experts.offsets, experts.words, experts.suh13,
                      experts.svh13, experts.suh2, experts.svh2, int(experts.first_expert), int(experts.max_words),
-                     experts.codebook, activation, None if limit is None else float(limit))
+                     int(experts.words13), int(experts.words2), experts.codebook, activation,
+                     None if limit is None else float(limit))
 
 
 __all__ = ["exl3_moe", "plan_launch"]

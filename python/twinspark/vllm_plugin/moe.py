@@ -93,6 +93,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             raise Exl3FormatError(f"{self.prefix}: {exc}") from None
         layer.exl3_decoded = cpu_ops.use_decoded(device)
         layer.exl3_codebook, layer.exl3_max_words = experts.codebook, experts.max_words
+        layer.exl3_words13, layer.exl3_words2 = experts.words13, experts.words2  # rate kernels where uniform
         reg = lambda nm, t: layer.register_parameter(nm, Parameter(t.to(device), requires_grad=False))  # noqa: E731
         for nm in ("suh13", "svh13", "suh2", "svh2"):
             reg(f"exl3_{nm}", getattr(experts, nm))
@@ -114,4 +115,4 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         return torch.ops.twinspark.exl3_moe(
             x, topk_ids, topk_weights, layer.exl3_trellis, layer.exl3_offsets, layer.exl3_words,
             layer.exl3_suh13, layer.exl3_svh13, layer.exl3_suh2, layer.exl3_svh2, first,
-            layer.exl3_max_words, layer.exl3_codebook, "silu", limit)
+            layer.exl3_max_words, layer.exl3_words13, layer.exl3_words2, layer.exl3_codebook, "silu", limit)
