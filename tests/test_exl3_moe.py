@@ -294,10 +294,10 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
 @pytest.mark.parametrize(("rates", "codebook"), [(((2, 2, 2),), "mul1"), (((3, 3, 2),), "mcg"),
                                                  (((2.5, 2.5, 4),), "3inst"), (((4, 4, 3), (4, 4, 2)), "mul1")])
 def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
-    """Layers whose gate/up (down) matrices share one rate run the 16-row kernels compiled for that rate alone
-    (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
+    """Layers whose gate/up (down) matrices share one rate run the 16-row kernels compiled for that rate alone in
+    decode (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
     kernels that dispatch on every expert's rate (TWINSPARK_EXL3_MOE_RATE_KERNELS=0) must agree with the
-    reference too. Model dimensions; decode, and the routed 16-row path (T=17)."""
+    reference too. Model dimensions; decode (T=1, 4) and a routed call (T=17: the dispatching kernels either way)."""
     monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
     ex = ml.random_experts(12, 5120, 1152, rates=[rates[e % len(rates)] for e in range(12)], codebook=codebook,
                            generator=gen)

@@ -27,7 +27,8 @@ Host-side fields (plain Python, so nothing on the op's path reads the device): `
 ``words`` entry, sizes the kernels' shared memory) and ``words13`` / ``words2``: the one ``words`` value of every
 gate and up matrix / of every down matrix, or 0 where rates differ. ``empty`` (and so ``from_layers``) sets them
 from the plan; a nonzero value lets the decode kernels be the ones compiled for that rate alone (a fraction of
-the code: fewer instruction-fetch stalls). Construction checks them against ``words`` (one read of it).
+the code and of the registers; cuda/exl3_moe/NOTES.md v15). Construction checks them against ``words`` (one read
+of it).
 
 Limits: H and I multiples of 128 (the Hadamard blocks; checkpoints pad to 128), no bias on experts.
 
