@@ -100,6 +100,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
 }
+// The same with the shared-memory address already converted (hoisted out of a loop: the conversion from a generic
+// pointer costs a few instructions per copy).
+__device__ __forceinline__ void cp_async16_shared(uint32_t smem_addr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>  // wait until at most N of this thread's committed groups are pending
 __device__ __forceinline__ void cp_async_wait() {

@@ -496,23 +496,41 @@ __device__ __forceinline__ void issue_tiles(const int16_t* tr, int tiles_n, int 
   }
 }
 
-// The same for this warp's own 8 tiles (column tile `warp` of the slice, k-tile rows 0-7): the only tiles its
-// mma_kblock / mma_kblock_bytes read, so a warp can wait for its copies alone (cp.async wait + __syncwarp, no block
-// barrier per k-block). kW 16-byte pieces per warp: 1-4 per lane.
+// This warp's own 8 tiles of consecutive k-blocks (column tile `warp` of the slice, k-tile rows 0-7): the only tiles
+// its mma_kblock / mma_kblock_bytes read, so a warp can wait for its copies alone (cp.async wait + __syncwarp, no
+// block barrier per k-block). kW 16-byte pieces per warp: 1-4 per lane. The addresses are made once: per piece a
+// global pointer that advances one k-block per issue and its shared-memory address in stage 0 of the ring. Made per
+// k-block from (kb, slice, warp) they took ~28 of the K=2 byte-sum loop's 261 instructions per k-block (64-bit
+// products, the generic-to-shared conversion).
 template <int kW>
-__device__ __forceinline__ void issue_tiles_warp(const int16_t* tr, int tiles_n, int slice, int kb, int16_t* dst) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int16_t* src = tr + (static_cast<size_t>(kb) * 8 * tiles_n + slice * 8 + warp) * kW;
-  constexpr int kPer = kW / 8, kIters = (kW + 31) / 32;  // pieces per tile; copies per lane
+struct WarpTiles {
+  static constexpr int kPer = kW / 8, kIters = (kW + 31) / 32;  // pieces per tile; copies per lane
+  const int16_t* src[kIters];
+  uint32_t dst[kIters];
+  size_t step;  // int16 per k-block
+
+  __device__ __forceinline__ WarpTiles(const int16_t* tr, int tiles_n, int slice, int kb, const int16_t* tbuf) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    step = static_cast<size_t>(8) * tiles_n * kW;
+    const int16_t* base = tr + kb * step + static_cast<size_t>(slice * 8 + warp) * kW;
 #pragma unroll
-  for (int j = 0; j < kIters; ++j) {
-    const int c = lane + 32 * j;
-    if (kW % 32 == 0 || c < kW) {
-      const int kt = c / kPer, q = c - kt * kPer;
-      cp_async16(dst + (kt * 8 + warp) * kW + q * 8, src + static_cast<size_t>(kt) * tiles_n * kW + q * 8);
+    for (int j = 0; j < kIters; ++j) {
+      const int c = lane + 32 * j, kt = c / kPer, q = c - kt * kPer;
+      src[j] = base + static_cast<size_t>(kt) * tiles_n * kW + q * 8;
+      dst[j] = static_cast<uint32_t>(__cvta_generic_to_shared(tbuf + (kt * 8 + warp) * kW + q * 8));
     }
   }
-}
+
+  // The next k-block's pieces into the ring stage `stage` int16 past stage 0; the caller commits.
+  __device__ __forceinline__ void issue(int stage) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      if (kW % 32 == 0 || lane + 32 * j < kW) cp_async16_shared(dst[j] + 2 * stage, src[j]);
+      src[j] += step;
+    }
+  }
+};
 
 // One 128-deep k-block: warp w decodes its 8 tiles (column tile w) and multiplies every 16-row group of A.
 // TWO (16-row items): the item has more than 8 rows, so each tile takes a second mma (a block-uniform choice made
@@ -585,18 +603,20 @@ __device__ __forceinline__ void down_out(const GemmParams& p, const RowTables& r
 // 16-row items (both bodies): A of up to `chunk` k-blocks is built (gate/up) or copied (down) at once (one memory
 // round trip per chunk) and the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while one is
 // multiplied). fill(c0, cn): A of the chunk's k-blocks kb0 + c0 .. kb0 + c0 + cn - 1; step(tb, j): multiply k-block j
-// of the chunk, its tiles in tb. Each warp streams its own tiles (issue_tiles_warp) and waits for them alone: the
+// of the chunk, its tiles in tb. Each warp streams its own tiles (WarpTiles) and waits for them alone: the
 // block meets at a barrier once per chunk (A), not once per k-block, so its warps need not run in step.
 template <bool DOWN, int kW, class Fill, class Step>
 __device__ __forceinline__ void chunk_ring(const GemmParams& p, const RowTables& rows, const int16_t* tr, int slice,
                                            int kb0, int nkb, int chunk, int16_t* tbuf, Fill&& fill, Step&& step) {
-  const int tiles_n = (DOWN ? p.H : p.I) / 16;
+  constexpr int kStage = 64 * kW, kLast = (kStages - 1) * kStage;  // int16 per ring stage; the last stage
+  WarpTiles<kW> tiles(tr, (DOWN ? p.H : p.I) / 16, slice, kb0, tbuf);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nkb) issue_tiles_warp<kW>(tr, tiles_n, slice, kb0 + s, tbuf + s * 64 * kW);
+    if (s < nkb) tiles.issue(s * kStage);
     cp_async_commit();
   }
   if constexpr (DOWN) wait_act(p, rows.item);  // the weights are on their way; A is what the gate/up kernel made
+  int rd = 0, wr = kLast;  // ring stages of k-block i and of k-block i + kStages - 1 (issued at step i)
   for (int c0 = 0; c0 < nkb; c0 += chunk) {
     const int cn = min(chunk, nkb - c0);
     if (c0 > 0) __syncthreads();  // everyone is done with the previous chunk's A
@@ -605,10 +625,11 @@ __device__ __forceinline__ void chunk_ring(const GemmParams& p, const RowTables&
     for (int i = c0; i < c0 + cn; ++i) {
       cp_async_wait<kStages - 2>();  // this lane's copies of k-block i have landed
       __syncwarp();                  // the warp's have; its buffer (i - 1) % kStages is free (its lanes are past it)
-      const int nx = i + kStages - 1;
-      if (nx < nkb) issue_tiles_warp<kW>(tr, tiles_n, slice, kb0 + nx, tbuf + (nx % kStages) * 64 * kW);
+      if (i + kStages - 1 < nkb) tiles.issue(wr);
       cp_async_commit();  // possibly empty: keeps one group per k-block
-      step(tbuf + (i % kStages) * 64 * kW, i - c0);
+      step(tbuf + rd, i - c0);
+      rd = rd == kLast ? 0 : rd + kStage;
+      wr = wr == kLast ? 0 : wr + kStage;
     }
   }
 }
