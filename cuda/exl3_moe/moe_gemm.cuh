@@ -518,6 +518,7 @@ struct WarpTiles {
       const int c = lane + 32 * j, kt = c / kPer, q = c - kt * kPer;
       src[j] = base + static_cast<size_t>(kt) * tiles_n * kW + q * 8;
       dst[j] = static_cast<uint32_t>(__cvta_generic_to_shared(tbuf + (kt * 8 + warp) * kW + q * 8));
+      asm("" : "+r"(dst[j]));  // opaque: kept (or spilled), not remade from the thread index every k-block
     }
   }
 

@@ -105,12 +105,13 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     rows = 16 * mt
     max_items = max(1, min(pairs, pairs // rows + min(num_experts, pairs)))
     kblocks = hidden // 128
-    # Decode: gate/up split over k into 3 parts while its blocks fit ~4 per SM, else 2 (each part writes its own
-    # partial sums, which the down kernel adds). H200 sweep, K=3, T=1/2/4/8, 2026-12-01
-    # (bench/results/exl3_moe_v9_unroll_h200.log): 3 parts best at T <= 4 (T=1: 50.7 us vs 52.7 at 5, 56.8 at 1),
-    # 2 at T=8 (308.8 vs 312.3 at 1, 329.3 at 5).
+    # Decode: gate/up split over k into 3 parts while its blocks fit ~2 per SM, else 2 (each part writes its own
+    # partial sums, which the down kernel adds). H200, 2026-12-02, build with the cheaper tile copies
+    # (bench/results/exl3_moe_v21_split_h200.log, same build, forced 3 / 2 parts): 2 parts 1.2-2.5% faster at T=3-6 for
+    # K=2/3/4 (T=4 K=3: 119.3 vs 121.0 us); K=3 sweep: T=2 3 parts (67.8 vs 69.3 at 2), T=1 the mixed 3/4 split below.
+    # (Before that build 3 parts held to ~4 blocks per SM: T=4 tied, exl3_moe_v18_plan_sweep_h200.log.)
     blocks = max(1, min(pairs, num_experts)) * 2 * (inter // 128)
-    splitk = min(kblocks, 3 if blocks <= 4 * sms else 2) if decode else 1
+    splitk = min(kblocks, 3 if blocks <= 2 * sms else 2) if decode else 1
     forced = os.environ.get("TWINSPARK_EXL3_MOE_SPLITK", "")  # benchmark sweeps (bench_exl3_moe.py --sweep)
     if decode and forced:
         splitk = max(1, min(kblocks, int(forced)))
