@@ -31,6 +31,15 @@ struct LaneWindow {
   static constexpr bool kStatic = (8 * K) % 32 == 0;
   static constexpr int kStaticOff = ((K - 16) % 32 + 32) % 32;
   static constexpr int kBase = kStatic ? kStaticOff : 0;  // bit of a0 where the window starts after align()
+  // Every lane's 16 + 7K window bits end inside its first two words (K = 1, 2, 3 and static K = 4): the third word
+  // is never read. K = 3: starts at bits 3, 11, 19, 27 of w0, 37 bits, so at most bit 64 (one LDS per tile less).
+  static constexpr bool kTwoWords = [] {
+    for (int lane = 0; lane < 32; ++lane) {
+      const int start = ((8 * K * lane + K - 16) % kRing + kRing) % kRing;
+      if ((kStatic ? kStaticOff : start % 32) + 16 + 7 * K > 64) return false;
+    }
+    return true;
+  }();
   int w0, w1, w2, off;
 
   __device__ __forceinline__ explicit LaneWindow(int lane) {
@@ -42,6 +51,9 @@ struct LaneWindow {
     off = start & 31;
   }
 
+  // tile[w2], or 0 where no state reaches it (kTwoWords: no load).
+  __device__ __forceinline__ uint32_t word2(const uint32_t* tile) const { return kTwoWords ? 0u : tile[w2]; }
+
   // The lane's three window words (tile[w0], tile[w1], tile[w2]) shifted so the window starts at bit kBase of a0.
   __device__ __forceinline__ void align(uint32_t t0, uint32_t t1, uint32_t t2, uint32_t& a0, uint32_t& a1,
                                         uint32_t& a2) const {
@@ -49,7 +61,7 @@ struct LaneWindow {
       a0 = t0, a1 = t1, a2 = t2;
     } else {
       a0 = __funnelshift_l(t1, t0, off);
-      a1 = __funnelshift_l(t2, t1, off);
+      a1 = kTwoWords ? t1 << off : __funnelshift_l(t2, t1, off);  // kTwoWords: the bits t2 would fill are unused
       a2 = t2 << off;
     }
   }
@@ -222,7 +234,7 @@ __device__ __forceinline__ uint32_t decode_raw(uint32_t s) {
 template <int K, int CB>
 __device__ __forceinline__ void decode_lane_raw(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&r)[8]) {
   uint32_t a0, a1, a2;
-  lw.align(tile[lw.w0], tile[lw.w1], tile[lw.w2], a0, a1, a2);
+  lw.align(tile[lw.w0], tile[lw.w1], lw.word2(tile), a0, a1, a2);
   r[0] = decode_raw<CB>(lane_state<K, 0>(a0, a1, a2));
   r[1] = decode_raw<CB>(lane_state<K, 1>(a0, a1, a2));
   r[2] = decode_raw<CB>(lane_state<K, 2>(a0, a1, a2));
@@ -337,7 +349,7 @@ template <int K>
 __device__ __forceinline__ void mul1_products(const uint32_t* tile, const LaneWindow<K>& lw, const OpaqueConsts& oc,
                                               uint32_t (&x)[8]) {
   uint32_t a0, a1, a2;
-  lw.align(tile[lw.w0], tile[lw.w1], tile[lw.w2], a0, a1, a2);
+  lw.align(tile[lw.w0], tile[lw.w1], lw.word2(tile), a0, a1, a2);
   x[0] = mul1_state<K, 0>(a0, a1, a2, oc) * kMul1Mult;
   x[1] = mul1_state<K, 1>(a0, a1, a2, oc) * kMul1Mult;
   x[2] = mul1_state<K, 2>(a0, a1, a2, oc) * kMul1Mult;
@@ -351,7 +363,7 @@ __device__ __forceinline__ void mul1_products(const uint32_t* tile, const LaneWi
 // Decode this lane's 8 positions of one tile. `tile` = the tile's 8K u32 words (shared or global memory).
 template <int K, int CB>
 __device__ __forceinline__ void decode_lane(const uint32_t* tile, const LaneWindow<K>& lw, uint32_t (&pair)[4]) {
-  decode_lane_words<K, CB>(tile[lw.w0], tile[lw.w1], tile[lw.w2], lw, pair);
+  decode_lane_words<K, CB>(tile[lw.w0], tile[lw.w1], lw.word2(tile), lw, pair);
 }
 
 }  // namespace exl3

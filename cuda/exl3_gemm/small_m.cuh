@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(256, 4)
   for (int j = 0; j < 8; ++j) {
     const uint32_t* tp =
         reinterpret_cast<const uint32_t*>(trellis + (static_cast<long>(8 * kb + j) * tiles_n + 8 * nb + warp) * 16 * K);
-    wd[j][0] = __ldg(tp + lw.w0), wd[j][1] = __ldg(tp + lw.w1), wd[j][2] = __ldg(tp + lw.w2);
+    wd[j][0] = __ldg(tp + lw.w0), wd[j][1] = __ldg(tp + lw.w1), wd[j][2] = lw.kTwoWords ? 0u : __ldg(tp + lw.w2);
   }
   if (threadIdx.x < 16) {
     reinterpret_cast<uint4*>(svs)[threadIdx.x] = __ldg(reinterpret_cast<const uint4*>(svh + 128 * nb) + threadIdx.x);

@@ -166,7 +166,8 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index))
     # Uniform rates, decode (<= DECODE_MAX_PAIRS pairs): the 16-row kernels compiled for that rate alone. H200, same
     # build (cuda/exl3_moe/NOTES.md v15): T=1 -2.3 / -1.7 / -4.5% at K=2/3/4, T=4 -2.9 / 0 / -2.6%; past decode K=3
-    # lost (T=32 +2.2%, T=512 +3.0%), so routed calls keep the kernels that dispatch on every expert's rate.
+    # lost (T=32 +2.2%, T=512 +3.0%), so routed calls keep the kernels that dispatch on every expert's rate. Re-measured
+    # after the cheaper tile copies (v16 item 5): T=1 +0.6 / -2.5 / -1.9%, T=2 -1.2 / -2.4 / -2.3%, T=4-8 within 1.2%.
     # TWINSPARK_EXL3_MOE_RATE_KERNELS=0: those everywhere (same-build A/B in bench_exl3_moe.py).
     if not cfg["small_route"] or os.environ.get("TWINSPARK_EXL3_MOE_RATE_KERNELS", "1") == "0":
         words13 = words2 = 0
