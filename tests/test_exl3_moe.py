@@ -227,6 +227,20 @@ def test_plan_launch_mixed_split_fills_the_gpu_at_one_token():
     assert plan_launch(4, 6, 384, 5120, 1152, sms=132)["short_groups"] == 0  # already two waves
 
 
+def test_plan_launch_early_down_past_one_wave(monkeypatch):
+    """Down blocks start per item (early_down) where gate/up takes more than one wave; at one token (gate/up in one
+    wave) they wait for the grid; the switch forces either; 64-row items never start early."""
+    monkeypatch.delenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", raising=False)
+    assert not plan_launch(1, 6, 384, 5120, 1152, sms=132)["early_down"]
+    assert plan_launch(2, 6, 384, 5120, 1152, sms=132)["early_down"]
+    assert plan_launch(4, 6, 384, 5120, 1152, sms=132)["early_down"]
+    assert not plan_launch(2048, 6, 384, 5120, 1152, sms=132)["early_down"]  # 64-row items
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", "1")
+    assert plan_launch(1, 6, 384, 5120, 1152, sms=132)["early_down"]
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", "0")
+    assert not plan_launch(4, 6, 384, 5120, 1152, sms=132)["early_down"]
+
+
 # ---------------------------------------------------------------- kernels (GPU)
 # The reference runs in float32 on float32 copies of the inputs (no rounding of its result), the kernel returns
 # bf16/fp16: TOL covers the kernel's output rounding and its fp16 activations.

@@ -138,9 +138,15 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # mul1 items of <= 4 rows: the byte-sum mma (the tensor cores add each weight's product bytes; moe_gemm.cuh).
     # TWINSPARK_EXL3_MOE_BYTESUM=0 keeps the fp16 decode (same-build A/B in bench_exl3_moe.py).
     bytesum = os.environ.get("TWINSPARK_EXL3_MOE_BYTESUM", "1") != "0"
-    # 16-row items: each down block waits for its own item's activations, not for the whole gate/up grid
-    # (TWINSPARK_EXL3_MOE_EARLY_DOWN=0: the grid).
-    early_down = mt == 1 and os.environ.get("TWINSPARK_EXL3_MOE_EARLY_DOWN", "1") != "0"
+    # 16-row items: each down block waits for its own item's activations, not for the whole gate/up grid, where the
+    # gate/up grid takes more than one wave (items finish in order: T=2 -5%, T=4 -2%, T=8 -1.5%, NOTES.md v13 item 1).
+    # In one wave (decode with the mixed split above: T=1) every item finishes at about the same time, and down
+    # blocks that start early only share SMs with the last gate/up blocks: waiting for the grid is faster there
+    # (H200, same build, NOTES.md v16 item 9: T=1 34.6 / 38.2 / 35.8 us against 36.1 / 39.5 / 37.3 at K=2/3/4).
+    # TWINSPARK_EXL3_MOE_EARLY_DOWN=1 / 0 forces either.
+    forced_early = os.environ.get("TWINSPARK_EXL3_MOE_EARLY_DOWN", "")
+    one_wave = decode and short_groups > 0
+    early_down = mt == 1 and (forced_early == "1" if forced_early in ("0", "1") else not one_wave)
     return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
                 small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum, early_down=early_down)
 
