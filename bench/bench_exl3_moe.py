@@ -8,6 +8,7 @@ weights come from DRAM: the layer's experts are 1.3-3.4 GB, far past the 60 MB L
 experts a call routes to, averaged over the ring), the upstream H200 anchor, and the baseline "reconstruct the
 touched experts (twinspark exl3_reconstruct) + torch matmuls" timed in the same run (its routing bookkeeping is
 done on the host outside the timed region: that favours the baseline). Then the targets and a GB10 prediction.
+gate/up is launched as in a CUDA graph (programmatic dependent launch) unless TWINSPARK_EXL3_MOE_PDL is set.
 Writes exl3_moe.json (benchkit) and exl3_moe.png (µs per layer vs T for each K, with the upstream anchors, the
 baseline and the targets).
 
@@ -161,6 +162,11 @@ def main(argv=None) -> int:
             return 2
         print(f"wrote {png}")
         return 0
+    # gate/up launches with programmatic dependent launch where vLLM runs decode, inside CUDA graphs (eager calls
+    # launch it plainly: ops/exl3_moe.py). This benchmark launches eagerly but queues each sample's calls ahead of the
+    # GPU (benchkit.time_cuda), so it times the graph configuration unless TWINSPARK_EXL3_MOE_PDL is set.
+    os.environ.setdefault("TWINSPARK_EXL3_MOE_PDL", "1")
+    print(f"gate/up programmatic dependent launch: TWINSPARK_EXL3_MOE_PDL={os.environ['TWINSPARK_EXL3_MOE_PDL']}")
     dev = torch.device("cuda")
     copy = bk.copy_ceiling_gbps(dev)
     anchors = bk.load_anchors()

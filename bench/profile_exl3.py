@@ -12,6 +12,7 @@ Kernels launched with programmatic dependent launch count their wait for the ker
     TWINSPARK_EXL3_GEMM_VARIANT=large python bench/profile_exl3.py gemm --m 1024 --kernels
 
 moe --trace: the per-block timeline of one layer (a TWINSPARK_TRACE=1 build; cuda/common/trace.cuh).
+--host: the host's µs per call (what eager, graph-less decode pays to launch a layer), e.g. --calls 200.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=12288, help="gemm: output features")
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--kernels", action="store_true", help="print per-kernel GPU time (torch.profiler) instead")
+    ap.add_argument("--host", action="store_true",
+                    help="print the host's µs per call instead (--calls calls queued without a sync, median of 5)")
     ap.add_argument("--trace", action="store_true",
                     help="moe: print the per-block timeline of the last of --calls layers (common/trace.cuh)")
     ap.add_argument("--warm", action="store_true",
@@ -53,6 +56,11 @@ def main(argv=None) -> int:
             ids, w = bm.routing(a.T, dev, gen)
             x = torch.randn(a.T, bm.H, device=dev, generator=gen).bfloat16()
             _kernels(f"exl3_moe K={a.K} T={a.T}", lambda: exl3_moe(x, ids, w, ex), a.calls)
+            return 0
+        if a.host:
+            ids, w = bm.routing(a.T, dev, gen)
+            x = torch.randn(a.T, bm.H, device=dev, generator=gen).bfloat16()
+            _host(f"exl3_moe K={a.K} T={a.T}", lambda: exl3_moe(x, ids, w, ex), a.calls)
             return 0
         if a.trace:
             _trace_moe(ex, a.T, a.calls, bm, dev, gen, a.warm)
@@ -72,6 +80,9 @@ def main(argv=None) -> int:
             w = torch.randn(a.k, a.n, device=dev, generator=gen).bfloat16()
             _kernels(f"exl3_gemm {a.k}x{a.n} K={a.K} m={a.m}", lambda: exl3_gemm(x, layer), a.calls)
             _kernels("bf16 dense x @ W", lambda: torch.mm(x, w), a.calls)
+            return 0
+        if a.host:
+            _host(f"exl3_gemm {a.k}x{a.n} K={a.K} m={a.m}", lambda: exl3_gemm(x, layer), a.calls)
             return 0
         for _ in range(a.calls):
             exl3_gemm(x, layer)
@@ -132,6 +143,24 @@ def _trace_moe(ex, T, calls, bm, dev, gen, warm) -> None:
         n = [int(((us(ran[k][:, 1]) < lo + 2) & (us(ran[k][:, 4]) > lo)).sum()) for k in range(2)]
         line += f"\n    {lo:5.0f}  {n[0]:4d} | {n[1]:4d}"
     print(line)
+
+
+def _host(label, fn, calls) -> None:
+    """The host's µs per call (launch cost): rounds of `calls` calls queued back to back without a sync (keep
+    calls x launches per call under the launch queue's depth, ~1000), median of 5 rounds after a warm-up round."""
+    import statistics
+    import time
+
+    rounds = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    print(f"{label}: host {statistics.median(rounds[1:]):.1f} µs per call ({calls} calls per round, median of 5; "
+          f"rounds {' '.join(f'{r:.1f}' for r in rounds[1:])})")
 
 
 def _kernels(label, fn, calls) -> None:

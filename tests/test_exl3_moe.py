@@ -11,7 +11,7 @@ from twinspark import moe_layout as ml
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
 from twinspark.ops import exl3_moe
-from twinspark.ops.exl3_moe import GATE_UP_BLOCKS_PER_SM, plan_launch
+from twinspark.ops.exl3_moe import GATE_UP_BLOCKS_PER_SM, gate_up_pdl, kernel_residency, plan_launch
 from twinspark.ops.workspace import workspace
 from twinspark.reference.exl3_moe import exl3_moe as reference_moe
 from twinspark.testing import rel_l2
@@ -239,6 +239,17 @@ def test_plan_launch_early_down_past_one_wave(monkeypatch):
     assert plan_launch(1, 6, 384, 5120, 1152, sms=132)["early_down"]
     monkeypatch.setenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", "0")
     assert not plan_launch(4, 6, 384, 5120, 1152, sms=132)["early_down"]
+
+
+def test_gate_up_pdl_only_under_capture(monkeypatch):
+    """gate/up launches with programmatic dependent launch inside a CUDA graph capture, plainly in eager calls (the
+    launch costs the host more); the switch forces either."""
+    monkeypatch.delenv("TWINSPARK_EXL3_MOE_PDL", raising=False)
+    assert gate_up_pdl(True) and not gate_up_pdl(False)
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_PDL", "1")
+    assert gate_up_pdl(False)
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_PDL", "0")
+    assert not gate_up_pdl(True)
 
 
 # ---------------------------------------------------------------- kernels (GPU)
@@ -494,6 +505,57 @@ def test_kernel_two_streams_and_graph(gen, cuda):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_l2(out.cpu(), reference_moe(x.float(), ids, w, ex).double()) <= TOL  # CPU reference here
+
+
+@pytest.mark.gpu
+def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
+    """gate/up is launched with programmatic dependent launch: it may be scheduled while the kernel before it
+    drains and must wait for it. Chains of calls that each take the previous call's output (no sync in between; the
+    kernel before gate/up is the previous call's down, or a scale kernel) give what plain launches give."""
+    E, H, inter = 16, 512, 256
+    ex = ml.random_experts(E, H, inter, rates=(3, 2, 4), generator=gen)
+    exd = ex.to(cuda)
+    for T in (1, 40, 300):  # decode, the routing launch, prefill items
+        x, ids, w = (t.to(cuda) for t in _inputs(gen, T, 6, E, H))
+        chains = {}
+        for pdl in ("1", "0"):
+            monkeypatch.setenv("TWINSPARK_EXL3_MOE_PDL", pdl)
+            y, outs = x, []
+            for step in range(6):
+                y = exl3_moe(y, ids, w, exd)
+                if step % 2:
+                    y = y * (1.0 / y.float().abs().amax().clamp_min(1e-6)).to(y.dtype)  # keep the scale sane
+                outs.append(y)
+            torch.cuda.synchronize()
+            chains[pdl] = outs
+        first = reference_moe(x.float(), ids, w, exd).double()
+        assert rel_l2(chains["1"][0].cpu(), first.cpu()) <= TOL, f"T={T}"
+        for step, (a, b) in enumerate(zip(chains["1"], chains["0"])):
+            assert rel_l2(a.cpu(), b.cpu()) < 1e-2, f"T={T} step {step}"  # fp32 atomics may add in another order
+
+
+@pytest.mark.gpu
+def test_kernel_decode_residency(gen, cuda):
+    """The decode kernels get the residency they are sized for, before and after calls: gate/up 3 blocks per SM (80
+    registers), down at one token 2 (its shared memory padded so a third does not fit; NOTES.md v17: a first launch
+    whose occupancy query ran before the shared-memory attribute was raised saw no block, left the padding out, and
+    the remembered size kept the down kernel at 3 per SM, T=1 +10%). The model's dimensions, a few experts."""
+    E = 8
+    ex = ml.empty([(3, 3, 3)] * E, 5120, 1152, device=cuda)
+    ex.trellis.random_(-32768, 32768, generator=None)
+    for t in (ex.suh13, ex.svh13, ex.suh2, ex.svh2):
+        t.fill_(0.01)
+    x, ids, w = (t.to(cuda) for t in _inputs(gen, 1, 6, E, 5120))
+    assert plan_launch(1, 6, E, 5120, 1152, torch.cuda.get_device_properties(cuda).multi_processor_count)[
+        "down_min_blocks"] == 2
+    seen = [kernel_residency(x, ids, w, ex)]
+    exl3_moe(x, ids, w, ex)
+    torch.cuda.synchronize()
+    seen.append(kernel_residency(x, ids, w, ex))
+    if torch.cuda.get_device_capability(cuda) == (9, 0):  # 228 KB of shared memory per SM
+        assert seen == [(3, 2), (3, 2)], seen
+    else:  # GB10 (100 KB per SM): shared memory allows fewer; never more than the sizing
+        assert all(1 <= g <= 3 and 1 <= d <= 2 for g, d in seen), seen
 
 
 @pytest.mark.gpu

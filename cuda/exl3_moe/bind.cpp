@@ -27,7 +27,8 @@ void bind_exl3_moe(py::module_& m) {
          std::uintptr_t ws_int, std::uintptr_t ws_f32, std::uintptr_t act_counters, std::uintptr_t out, int T, int topk,
          int E, int H, int I, int first_expert, int max_words, int words13, int words2, int codebook, float limit,
          bool x_bf16, int mt, int splitk, int short_groups, int max_items, int down_min_blocks, bool fuse_convert,
-         bool small_route, bool bytesum, bool early_down, std::uintptr_t stream, std::uintptr_t trace) {
+         bool small_route, bool bytesum, bool early_down, bool pdl, std::uintptr_t stream, std::uintptr_t trace,
+         std::uintptr_t residency) {
         using twinspark::ptr;
         twinspark::Exl3MoeArgs a{};
         a.x = ptr<const void>(x);
@@ -65,7 +66,9 @@ void bind_exl3_moe(py::module_& m) {
         a.small_route = small_route;
         a.bytesum = bytesum;
         a.early_down = early_down;
+        a.pdl = pdl;
         a.trace = ptr<uint64_t>(trace);
+        a.residency = ptr<int>(residency);
         twinspark::check_launch(twinspark::exl3_moe(a, twinspark::stream(stream)), "exl3_moe");
       },
       py::arg("x"), py::arg("ids"), py::arg("topk_w"), py::arg("trellis"), py::arg("offsets"), py::arg("words"),
@@ -74,6 +77,7 @@ void bind_exl3_moe(py::module_& m) {
       py::arg("first_expert"), py::arg("max_words"), py::arg("words13"), py::arg("words2"), py::arg("codebook"),
       py::arg("limit"), py::arg("x_bf16"), py::arg("mt"), py::arg("splitk"), py::arg("short_groups"),
       py::arg("max_items"), py::arg("down_min_blocks"), py::arg("fuse_convert"), py::arg("small_route"),
-      py::arg("bytesum"), py::arg("early_down"), py::arg("stream"), py::arg("trace") = 0);
+      py::arg("bytesum"), py::arg("early_down"), py::arg("pdl"), py::arg("stream"), py::arg("trace") = 0,
+      py::arg("residency") = 0);
 }
 #endif

@@ -175,7 +175,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   __half* act = a.mt == 1 ? reinterpret_cast<__half*>(out32 + static_cast<size_t>(a.T) * a.H) : nullptr;
   cudaError_t err = cudaSuccess;
 
-  if (!a.small_route) {
+  if (!a.small_route && !a.residency) {
     // The routing launch also zeroes out32 (the down kernel's atomics land there).
     RouteParams rp{a.ids,
                    static_cast<int>(P),
@@ -234,6 +234,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.down_min_blocks = a.down_min_blocks;
   gp.bytesum = a.bytesum;
   gp.early_down = a.early_down;
+  gp.pdl_gate_up = a.pdl;
   gp.opaque = exl3::opaque_consts();
   gp.trace = a.trace;
 
@@ -243,6 +244,12 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
                                                        down ? a.words2 : a.words13, stream);
     });
   };
+  if (a.residency) {  // the two GEMM kernels' blocks per SM, nothing launched
+    gp.residency = a.residency;
+    if ((err = gemm(false)) != cudaSuccess) return err;
+    gp.residency = a.residency + 1;
+    return gemm(true);
+  }
   if ((err = gemm(false)) != cudaSuccess) return err;
   if ((err = gemm(true)) != cudaSuccess) return err;
   if (!a.fuse_convert) {

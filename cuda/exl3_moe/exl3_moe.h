@@ -18,11 +18,13 @@
 //   item count of any routing (<= 65535: a grid's y / z extent); fuse_convert: the down kernel's last block per 128
 //   columns writes `out` (else one more small launch); small_route (T*topk <= 64, mt = 1): no routing launch;
 //   early_down (mt = 1): each down block waits for its own item's activations (a ready counter per item after the
-//   act_counters), not for the whole gate/up grid. words13 / words2: 0, or the words per tile that EVERY gate and
-//   up (down) matrix of the layer has; mt = 1 then launches kernels compiled for that rate alone (a wrong value
-//   leaves those matrices out of the result: the host takes it from the layout that made `words`).
-// Launches: decode (small_route + fuse_convert): gate/up, down. Otherwise: route (+ zeroing), gate/up, down,
-// convert. No host sync: capturable in a CUDA graph.
+//   act_counters), not for the whole gate/up grid.
+//   words13 / words2: 0, or the words per tile that EVERY gate and up (down) matrix of the layer has; mt = 1 then
+//   launches kernels compiled for that rate alone (a wrong value leaves those matrices out of the result: the host
+//   takes it from the layout that made `words`); pdl: the first GEMM (gate/up) is launched with programmatic
+//   dependent launch (scheduled while the kernel before it drains; it waits for that kernel before touching memory).
+// Launches: decode (small_route + fuse_convert): gate/up, down. Otherwise: route (+ zeroing), gate/up, down, convert.
+// No host sync: capturable in a CUDA graph.
 // mt = 1: the last gate/up block of each (item, 128 columns of I) makes down's fp16 activations for them
 // (sum of the k-split parts, Hadamards, SiLU(gate) * up, suh of down) once; the down blocks copy them.
 // fp32 atomics sum the experts of one token, so results may differ in the last fp32 bit from run to run.
@@ -59,8 +61,12 @@ struct Exl3MoeArgs {
   bool early_down;      // mt == 1: a down block starts once its item's activations are made (not all of gate/up)
   bool fuse_convert;
   bool small_route;  // T*topk <= 64 and mt == 1: the GEMM blocks route in shared memory (no routing launch)
+  bool pdl;          // the call's first GEMM (gate/up) may be scheduled while the kernel before it on the stream
+                     // drains (programmatic dependent launch); it waits for that kernel before touching memory
   uint64_t* trace;   // null, or a buffer of trace_shape for per-block timeline marks (common/trace.cuh; a
                      // TWINSPARK_TRACE=1 build writes it, any other ignores it)
+  int* residency;    // null, or host memory for 2 ints: launch nothing, store the blocks per SM the gate/up and
+                     // the down kernel of this call would get (their shared memory sized as a launch sizes it)
 };
 
 // Workspace sizes in elements. ws_int: sorted pairs [P], pair ranks [P], items [3 * max_items], item count [1],

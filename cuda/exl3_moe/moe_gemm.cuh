@@ -28,6 +28,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "common/arrive.cuh"
 #include "common/pdl.cuh"
 #include "common/trace.cuh"
@@ -73,6 +75,8 @@ struct GemmParams {
   bool bytesum;               // mul1, 16-row items of <= 4 rows: the byte-sum mma (gemm_body_bytes)
   bool early_down;            // 16-row items: a down block starts its item once that item's activations are made
                               // (wait_act), not when the whole gate/up grid is done
+  bool pdl_gate_up;           // host side: gate/up launched with launch_pdl (it waits for the kernel before it first)
+  int* residency;             // host side: null, or launch nothing and store the kernel's blocks per SM here
   exl3::OpaqueConsts opaque;  // the byte-sum decoder's run-time constants (exl3::lane_state_fma)
   uint64_t* trace;            // null, or per-block timeline marks (common/trace.cuh): kernel 0 gate/up, 1 down; slots
                               // 1 start, 2 routed (body begins), 3 body done (partials stored / down atomics), 4 end,
@@ -887,12 +891,19 @@ template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WO
 __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
+  if constexpr (!DOWN) {
+    // pdl_gate_up: this grid may be scheduled while the kernel before it on the stream (another layer's down, the
+    // router, anything) drains; everything below reads or writes memory that kernel may still touch, so wait first.
+    // Without the launch attribute the wait returns at once.
+    pdl_wait();
+    // The down kernel is launched with launch_pdl (common/pdl.cuh): once every gate/up block has started (and so
+    // passed its wait), its blocks may take free SM slots, route and fetch their first weight tiles, and wait there
+    // for gate/up to finish.
+    pdl_launch_dependents();
+  }
   trace_mark(p.trace, DOWN, 1);
   const Piece pc = DOWN ? down_piece() : gate_up_piece(p);
   const int item = pc.item;
-  // The down kernel is launched with launch_pdl (common/pdl.cuh): once every gate/up block has started, its blocks
-  // may take free SM slots, route and fetch their first weight tiles, and wait there for gate/up to finish.
-  if constexpr (!DOWN) pdl_launch_dependents();
   if (p.small_route) {
     if (!DOWN) {
       // No routing launch zeroes the workspace: gate/up clears out32 (the down kernel's atomics land there) and
@@ -983,24 +994,54 @@ cudaError_t cap_blocks_per_sm(Kernel kernel, int minb, size_t& smem) {
   return cudaSuccess;
 }
 
+// The dynamic shared memory a kernel launches with on the current device: its attribute raised, sized
+// (cap_blocks_per_sm where `cap`) and raised again, once per device and size asked for (max_words decides it), then
+// remembered in `memo` (asked << 32 | launched, per device): the occupancy query and the attribute calls are host
+// work that otherwise ran on every launch, twice per decode layer. Devices past the memo's 64 prepare every launch.
+// The attribute goes first: the occupancy query counts no block whose dynamic shared memory is above it (asked
+// before, the first call's query found 0 blocks, left the size unpadded, and the memo kept the 2-per-SM down
+// kernel at 3 per SM: T=1 +10%, cuda/exl3_moe/NOTES.md v17).
+template <class Kernel>
+cudaError_t prepare_smem(std::atomic<uint64_t> (&memo)[64], Kernel kernel, int minb, bool cap, size_t& smem) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const uint64_t asked = static_cast<uint64_t>(smem);
+  if (dev >= 0 && dev < 64) {
+    const uint64_t m = memo[dev].load(std::memory_order_acquire);
+    if (m >> 32 == asked) {
+      smem = static_cast<size_t>(m & 0xffffffffu);
+      return cudaSuccess;
+    }
+  }
+  const auto raise = [&](size_t bytes) {
+    return bytes > 48 * 1024
+               ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes))
+               : cudaSuccess;
+  };
+  if ((err = raise(smem)) != cudaSuccess) return err;
+  if (cap) {
+    const size_t unpadded = smem;
+    if ((err = cap_blocks_per_sm(kernel, minb, smem)) != cudaSuccess) return err;
+    if (smem != unpadded && (err = raise(smem)) != cudaSuccess) return err;
+  }
+  if (dev >= 0 && dev < 64) memo[dev].store(asked << 32 | smem, std::memory_order_release);
+  return cudaSuccess;
+}
+
 template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0>
 cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaStream_t stream) {
   size_t smem = gemm_smem_bytes(MT, DOWN, max_words);
   auto kernel = moe_gemm_kernel<CB, MT, DOWN, MINB, WORDS>;
-  if constexpr (MT == 1 && DOWN && MINB == 2) {
-    const cudaError_t err = cap_blocks_per_sm(kernel, MINB, smem);
-    if (err != cudaSuccess) return err;
-  }
-  if (smem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
+  static std::atomic<uint64_t> memo[64];  // per device (prepare_smem), zero-initialized
+  const cudaError_t err = prepare_smem(memo, kernel, MINB, MT == 1 && DOWN && MINB == 2, smem);
+  if (err != cudaSuccess) return err;
+  if (p.residency) return cudaOccupancyMaxActiveBlocksPerMultiprocessor(p.residency, kernel, kThreads, smem);
   const int groups = max_items * (p.I / 128), ns = p.short_groups;
   const dim3 grid = DOWN     ? dim3(p.H / 128, max_items)
                     : ns > 0 ? dim3(2 * ns * (p.splitk - 1) + 2 * (groups - ns) * p.splitk)
                              : dim3(2 * (p.I / 128), p.splitk, max_items);
-  if (DOWN) return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);
+  if (DOWN || p.pdl_gate_up) return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

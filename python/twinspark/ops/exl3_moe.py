@@ -151,6 +151,17 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
                 small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum, early_down=early_down)
 
 
+def gate_up_pdl(capturing: bool) -> bool:
+    """Whether a call launches its first GEMM (gate/up) with programmatic dependent launch: the GPU may schedule its
+    blocks while the kernel before it on the stream drains, and they wait for it (griddepcontrol.wait) before touching
+    memory. H200 (cuda/exl3_moe/NOTES.md v17, launches queued ahead of the GPU): T=1 -4.0 / -4.2 / -4.5% at K=2/3/4,
+    T=2 -2.5%, T=4 -1.5%. But such a call took 23-66 µs more host time in four comparisons (104-191 µs per call
+    either way), and an eager decode call is host-bound (3-5x its GPU time): by default only calls captured into a
+    CUDA graph (vLLM's decode; the host pays once, at capture) use it. TWINSPARK_EXL3_MOE_PDL=1 / 0 forces either."""
+    forced = os.environ.get("TWINSPARK_EXL3_MOE_PDL", "")
+    return forced == "1" if forced in ("0", "1") else capturing
+
+
 def _whole_parts(kblocks: int, parts: int) -> int:
     """The part count the kernel's ceil-sized parts really make of kblocks (none empty: every part writes its
     partial sums)."""
@@ -158,9 +169,11 @@ def _whole_parts(kblocks: int, parts: int) -> int:
 
 
 def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
-            words13, words2, codebook, limit, trace=None):
+            words13, words2, codebook, limit, trace=None, residency=None):
     """The launch. trace: None, or a zeroed int64 tensor of shape _ext.module().trace_shape on x's device that the
-    kernels fill with per-block timeline marks (common/trace.cuh; bench/profile_exl3.py --trace reads it)."""
+    kernels fill with per-block timeline marks (common/trace.cuh; bench/profile_exl3.py --trace reads it).
+    residency: None, or a CPU int32 tensor of 2: launch nothing, store the blocks per SM the gate/up and the down
+    kernel would get (kernel_residency)."""
     T, hidden = x.shape
     top_k = ids.shape[1]
     E, inter = svh13.shape[0], svh13.shape[-1]
@@ -177,6 +190,8 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     # TWINSPARK_EXL3_MOE_RATE_KERNELS=0: those everywhere (same-build A/B in bench_exl3_moe.py).
     if not cfg["small_route"] or os.environ.get("TWINSPARK_EXL3_MOE_RATE_KERNELS", "1") == "0":
         words13 = words2 = 0
+    capturing = capture_id(dev)
+    pdl = gate_up_pdl(capturing != 0)
     if cfg["max_items"] > MAX_ITEMS:
         raise ValueError(f"exl3_moe: {T} tokens x top-{top_k} may make {cfg['max_items']} expert items, more than the "
                          f"kernel grid's {MAX_ITEMS}; pass fewer tokens per call")
@@ -186,7 +201,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     ws_f32 = torch.empty(n_f32, dtype=torch.float32, device=dev)
     # 16-row items: arrival counters that the kernels leave zero (per stream, made once; see ops.workspace)
     act_counters = (workspace(dev).zeroed("moe_act_counters", cfg["max_items"] * (inter // 128 + 1), torch.int32,
-                                          capture_id(dev)).data_ptr() if cfg["mt"] == 1 else 0)
+                                          capturing).data_ptr() if cfg["mt"] == 1 else 0)
     xc = x.contiguous()  # the launch reads these: keep them alive until it is queued
     ids32 = ids.to(torch.int32).contiguous()
     w32 = weights.to(torch.float32).contiguous()
@@ -198,9 +213,25 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             T, top_k, E, hidden, inter, first_expert, max_words, words13, words2, CODEBOOKS.index(codebook),
             -1.0 if limit is None else float(limit), x.dtype == torch.bfloat16,
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
-            cfg["small_route"], cfg["bytesum"], cfg["early_down"], _ext.stream_ptr(dev), 0 if trace is None else trace.data_ptr(),
+            cfg["small_route"], cfg["bytesum"], cfg["early_down"], pdl, _ext.stream_ptr(dev),
+            0 if trace is None else trace.data_ptr(), 0 if residency is None else residency.data_ptr(),
         )
     return out
+
+
+def kernel_residency(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     experts: Exl3MoeExperts) -> tuple[int, int]:
+    """Blocks per SM the gate/up and the down kernel of ``exl3_moe(x, topk_ids, topk_weights, experts)`` would get
+    on x's CUDA device, their shared memory sized as a launch sizes it; nothing runs (tests, kernel developers)."""
+    _check(x, topk_ids, topk_weights, experts, "silu", None)
+    if not _ext.use_kernel(x):
+        raise ValueError("kernel_residency: the kernels do not run for these inputs (x on the CPU, or "
+                         "TWINSPARK_FORCE_REFERENCE set); pass CUDA tensors")
+    out = torch.zeros(2, dtype=torch.int32)
+    _kernel(x, topk_ids, topk_weights, experts.trellis, experts.offsets, experts.words, experts.suh13,
+            experts.svh13, experts.suh2, experts.svh2, int(experts.first_expert), int(experts.max_words),
+            int(experts.words13), int(experts.words2), experts.codebook, None, residency=out)
+    return int(out[0]), int(out[1])
 
 
 @torch.library.custom_op("twinspark::exl3_moe", mutates_args=())
