@@ -509,9 +509,10 @@ def test_kernel_two_streams_and_graph(gen, cuda):
 
 @pytest.mark.gpu
 def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
-    """gate/up is launched with programmatic dependent launch: it may be scheduled while the kernel before it
-    drains and must wait for it. Chains of calls that each take the previous call's output (no sync in between; the
-    kernel before gate/up is the previous call's down, or a scale kernel) give what plain launches give."""
+    """gate/up launched with programmatic dependent launch (by default under graph capture; forced here) may be
+    scheduled while the kernel before it drains and must wait for it. Chains of calls that each take the previous
+    call's output (no sync in between; the kernel before gate/up is the previous call's down, or a scale kernel) give
+    what plain launches give."""
     E, H, inter = 16, 512, 256
     ex = ml.random_experts(E, H, inter, rates=(3, 2, 4), generator=gen)
     exd = ex.to(cuda)
