@@ -7,11 +7,18 @@ import dataclasses
 
 import pytest
 import torch
+from twinspark import _ext
 from twinspark import moe_layout as ml
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
 from twinspark.ops import exl3_moe
-from twinspark.ops.exl3_moe import GATE_UP_BLOCKS_PER_SM, gate_up_pdl, kernel_residency, plan_launch
+from twinspark.ops.exl3_moe import (
+    GATE_UP_BLOCKS_PER_SM,
+    RATE_WORDS,
+    gate_up_pdl,
+    kernel_residency,
+    plan_launch,
+)
 from twinspark.ops.workspace import workspace
 from twinspark.reference.exl3_moe import exl3_moe as reference_moe
 from twinspark.testing import rel_l2
@@ -239,6 +246,14 @@ def test_plan_launch_early_down_past_one_wave(monkeypatch):
     assert plan_launch(1, 6, 384, 5120, 1152, sms=132)["early_down"]
     monkeypatch.setenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", "0")
     assert not plan_launch(4, 6, 384, 5120, 1152, sms=132)["early_down"]
+
+
+def test_rate_words_match_the_kernels():
+    """Python's rate list (what the layout check accepts for words13 / words2) is the list of rates the extension
+    has decode kernels for (exl3_moe.h kExl3MoeRateWords)."""
+    if not _ext.with_cuda():
+        pytest.skip("no CUDA build of the extension here (CPU-only or not built): no decode kernels to compare with")
+    assert tuple(_ext.module().exl3_moe_rate_words) == RATE_WORDS
 
 
 def test_gate_up_pdl_only_under_capture(monkeypatch):

@@ -11,6 +11,10 @@ void bind_exl3_moe(py::module_& m) {
   // exl3_moe's per-block timeline (common/trace.cuh): the buffer's shape, and whether this build writes it
   m.attr("trace_shape") = py::make_tuple(2, twinspark::kTraceBlocks, twinspark::kTraceSlots);
   m.attr("trace_built") = twinspark::kTraceBuilt;
+  // the rates with decode kernels of their own, as words per tile (ops.exl3_moe.RATE_WORDS must match)
+  py::tuple rates(twinspark::kExl3MoeRates);
+  for (int i = 0; i < twinspark::kExl3MoeRates; ++i) rates[i] = twinspark::kExl3MoeRateWords[i];
+  m.attr("exl3_moe_rate_words") = rates;
   m.def(
       "exl3_moe_workspace",
       [](int T, int topk, int H, int I, int max_items, int splitk, int mt) {

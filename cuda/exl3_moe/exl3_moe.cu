@@ -143,9 +143,12 @@ constexpr bool parts_nonempty(int kbs, int parts) {
   return parts >= 1 && (parts - 1) * ((kbs + parts - 1) / parts) < kbs;
 }
 
-// 0 (rates differ) or a rate's words per tile within max_words: 16 K (K = 1..8) or 16 K + 8 (K = 1.5, 2.5, 3.5).
+// 0 (rates differ) or a rate's words per tile (kExl3MoeRateWords) within max_words.
 constexpr bool rate_words_ok(int w, int max_words) {
-  return w == 0 || (w <= max_words && ((w % 16 == 0 && w >= 16 && w <= 128) || w == 24 || w == 40 || w == 56));
+  if (w == 0) return true;
+  for (int r : kExl3MoeRateWords)
+    if (w == r) return w <= max_words;
+  return false;
 }
 
 bool valid_args(const Exl3MoeArgs& a) {

@@ -35,6 +35,12 @@
 
 namespace twinspark {
 
+// The rates with decode kernels of their own, as words per tile (16 K for K = 1..8, 16 K + 8 for K = 1.5, 2.5, 3.5):
+// words13 / words2 must be 0 or one of them (exl3_moe.cu), the launch has a kernel for each (moe_gemm.cuh
+// launch_rate), and Python's ops.exl3_moe.RATE_WORDS is checked against them (the module's exl3_moe_rate_words).
+inline constexpr int kExl3MoeRateWords[] = {16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128};
+inline constexpr int kExl3MoeRates = sizeof(kExl3MoeRateWords) / sizeof(kExl3MoeRateWords[0]);
+
 struct Exl3MoeArgs {
   const void* x;
   const int32_t* ids;

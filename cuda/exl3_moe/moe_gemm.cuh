@@ -33,6 +33,7 @@
 #include "common/arrive.cuh"
 #include "common/pdl.cuh"
 #include "common/trace.cuh"
+#include "exl3_moe/exl3_moe.h"
 #include "exl3_moe/moe_device.cuh"
 
 namespace twinspark {
@@ -1054,30 +1055,24 @@ cudaError_t launch_decode(const GemmParams& p, bool down, int max_items, int max
                                 : launch_one<CB, 1, true, 2, WORDS>(p, max_items, max_words, stream);
 }
 
+// 16-row items: the kernels compiled for rate_words alone (one of kExl3MoeRateWords, exl3_moe.h), or for 0 the ones
+// that dispatch on every matrix's rate.
+template <int CB, int I = 0>
+cudaError_t launch_rate(const GemmParams& p, bool down, int max_items, int max_words, int rate_words,
+                        cudaStream_t stream) {
+  if constexpr (I == kExl3MoeRates) {
+    return launch_decode<CB, 0>(p, down, max_items, max_words, stream);
+  } else {
+    if (rate_words == kExl3MoeRateWords[I])
+      return launch_decode<CB, kExl3MoeRateWords[I]>(p, down, max_items, max_words, stream);
+    return launch_rate<CB, I + 1>(p, down, max_items, max_words, rate_words, stream);
+  }
+}
+
 template <int CB>
 cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_items, int max_words, int rate_words,
                             cudaStream_t stream) {
-  if (mt == 1) {
-    switch (rate_words) {  // the rates of exl3_moe.h (16 K, 16 K + 8 for K = 1.5, 2.5, 3.5)
-#define TS_MOE_DECODE(W) \
-  case W:                \
-    return launch_decode<CB, W>(p, down, max_items, max_words, stream);
-      TS_MOE_DECODE(16)
-      TS_MOE_DECODE(24)
-      TS_MOE_DECODE(32)
-      TS_MOE_DECODE(40)
-      TS_MOE_DECODE(48)
-      TS_MOE_DECODE(56)
-      TS_MOE_DECODE(64)
-      TS_MOE_DECODE(80)
-      TS_MOE_DECODE(96)
-      TS_MOE_DECODE(112)
-      TS_MOE_DECODE(128)
-#undef TS_MOE_DECODE
-      default:
-        return launch_decode<CB, 0>(p, down, max_items, max_words, stream);
-    }
-  }
+  if (mt == 1) return launch_rate<CB>(p, down, max_items, max_words, rate_words, stream);
   if (mt == 4) {
     return down ? launch_one<CB, 4, true>(p, max_items, max_words, stream)
                 : launch_one<CB, 4, false>(p, max_items, max_words, stream);
