@@ -12,7 +12,7 @@ gate/up is launched as in a CUDA graph (programmatic dependent launch) unless TW
 Writes exl3_moe.json (benchkit) and exl3_moe.png (µs per layer vs T for each K, with the upstream anchors, the
 baseline and the targets).
 
-    python bench/bench_exl3_moe.py [--quick] [--no-baseline]
+    python bench/bench_exl3_moe.py [--quick] [--no-baseline] [--graph]
     python bench/bench_exl3_moe.py --plot-only bench/results/exl3_moe.json   # redraw the PNG (no GPU)
 """
 
@@ -119,6 +119,21 @@ class Baseline:
         return out.to(x.dtype)
 
 
+def time_graph(ex, ring, replays: int = 7) -> float:
+    """µs per layer with the host out of the picture, as vLLM's decode runs it: one CUDA graph holding a call per
+    ring entry (fresh expert sets: L2-cold), replayed; the median replay / calls. Captured calls launch gate/up with
+    programmatic dependent launch unless TWINSPARK_EXL3_MOE_PDL=0 (ops/exl3_moe.py gate_up_pdl)."""
+    exl3_moe(*ring[0], ex)  # the per-stream counters are made outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for x, ids, w in ring:
+            exl3_moe(x, ids, w, ex)
+    t = bk.time_cuda(g.replay, warmup=2, iters=replays)
+    del g
+    return t.median_us / len(ring)
+
+
 def sweep(dev, gen) -> None:
     """Decode time at each gate/up split-k (TWINSPARK_EXL3_MOE_SPLITK), K=3: what plan_launch should pick."""
     ex = make_experts(3.0, dev)
@@ -147,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="K=3 and T in {1, 4, 512} only (a smoke run)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the reconstruct + torch matmul baseline")
     ap.add_argument("--iters", type=int, default=7, help="timed samples per case (median reported)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time decode (T <= 8) as CUDA-graph replays, as vLLM runs it (time_graph)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time K=3, T in {1, 2, 4, 8} at every gate/up split-k (to tune plan_launch)")
     ap.add_argument("--ts", type=lambda s: tuple(int(v) for v in s.split(",")), help="T values (default: all)")
@@ -199,6 +216,10 @@ def main(argv=None) -> int:
                     f"experts {sum(touched) / len(touched):6.1f}")
             if a:
                 line += f"  upstream {a.us:8.1f} us (x{a.us / t.median_us:.2f})"
+            if args.graph and T <= 8:
+                tg = time_graph(ex, ring)
+                rec.notes += f"; graph_us={tg:.1f}"
+                line += f"  graph {tg:7.1f} us"
             if base is not None:
                 preps = [base.prepare(ids) for _, ids, _ in ring]
                 bring = [(x, w, p) for (x, _, w), p in zip(ring, preps)]
