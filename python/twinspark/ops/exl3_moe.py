@@ -137,16 +137,15 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
         down_min_blocks = int(os.environ["TWINSPARK_EXL3_MOE_DOWN_BLOCKS"])
     # mul1 items of <= 4 rows: the byte-sum mma (the tensor cores add each weight's product bytes; moe_gemm.cuh).
     # TWINSPARK_EXL3_MOE_BYTESUM=0 keeps the fp16 decode (same-build A/B in bench_exl3_moe.py).
-    bytesum = os.environ.get("TWINSPARK_EXL3_MOE_BYTESUM", "1") != "0"
+    bytesum = _switch("TWINSPARK_EXL3_MOE_BYTESUM", True)
     # 16-row items: each down block waits for its own item's activations, not for the whole gate/up grid, where the
     # gate/up grid takes more than one wave (items finish in order: T=2 -5%, T=4 -2%, T=8 -1.5%, NOTES.md v13 item 1).
     # In one wave (decode with the mixed split above: T=1) every item finishes at about the same time, and down
     # blocks that start early only share SMs with the last gate/up blocks: waiting for the grid is faster there
     # (H200, same build, NOTES.md v16 item 9: T=1 34.6 / 38.2 / 35.8 us against 36.1 / 39.5 / 37.3 at K=2/3/4).
     # TWINSPARK_EXL3_MOE_EARLY_DOWN=1 / 0 forces either.
-    forced_early = os.environ.get("TWINSPARK_EXL3_MOE_EARLY_DOWN", "")
     one_wave = decode and short_groups > 0
-    early_down = mt == 1 and (forced_early == "1" if forced_early in ("0", "1") else not one_wave)
+    early_down = mt == 1 and _switch("TWINSPARK_EXL3_MOE_EARLY_DOWN", not one_wave)
     return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
                 small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum, early_down=early_down)
 
@@ -158,8 +157,13 @@ def gate_up_pdl(capturing: bool) -> bool:
     T=2 -2.5%, T=4 -1.5%. But such a call took 23-66 µs more host time in four comparisons (104-191 µs per call
     either way), and an eager decode call is host-bound (3-5x its GPU time): by default only calls captured into a
     CUDA graph (vLLM's decode; the host pays once, at capture) use it. TWINSPARK_EXL3_MOE_PDL=1 / 0 forces either."""
-    forced = os.environ.get("TWINSPARK_EXL3_MOE_PDL", "")
-    return forced == "1" if forced in ("0", "1") else capturing
+    return _switch("TWINSPARK_EXL3_MOE_PDL", capturing)
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment switch for A/B runs: "1" on, "0" off, anything else (or unset) `default`."""
+    value = os.environ.get(name, "")
+    return value == "1" if value in ("0", "1") else default
 
 
 def _whole_parts(kblocks: int, parts: int) -> int:
@@ -188,7 +192,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     # lost (T=32 +2.2%, T=512 +3.0%), so routed calls keep the kernels that dispatch on every expert's rate. Re-measured
     # after the cheaper tile copies (v16 item 5): T=1 +0.6 / -2.5 / -1.9%, T=2 -1.2 / -2.4 / -2.3%, T=4-8 within 1.2%.
     # TWINSPARK_EXL3_MOE_RATE_KERNELS=0: those everywhere (same-build A/B in bench_exl3_moe.py).
-    if not cfg["small_route"] or os.environ.get("TWINSPARK_EXL3_MOE_RATE_KERNELS", "1") == "0":
+    if not cfg["small_route"] or not _switch("TWINSPARK_EXL3_MOE_RATE_KERNELS", True):
         words13 = words2 = 0
     capturing = capture_id(dev)
     pdl = gate_up_pdl(capturing != 0)
