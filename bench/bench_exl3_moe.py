@@ -9,6 +9,9 @@ experts a call routes to, averaged over the ring), the upstream H200 anchor, and
 touched experts (twinspark exl3_reconstruct) + torch matmuls" timed in the same run (its routing bookkeeping is
 done on the host outside the timed region: that favours the baseline). Then the targets and a GB10 prediction.
 gate/up is launched as in a CUDA graph (programmatic dependent launch) unless TWINSPARK_EXL3_MOE_PDL is set.
+Each line shows the two kernels' blocks per SM (gate/up / down). TWINSPARK_EXL3_MOE_SMEM_PER_SM=102400 sizes and holds
+them as GB10's 100 KB of shared memory per SM would (ops/exl3_moe.py): its time, scaled as the GB10 prediction scales,
+is the prediction at GB10's residency.
 Writes exl3_moe.json (benchkit) and exl3_moe.png (µs per layer vs T for each K, with the upstream anchors, the
 baseline and the targets).
 
@@ -30,7 +33,7 @@ from twinspark import benchkit as bk  # noqa: E402
 from twinspark import moe_layout as ml  # noqa: E402
 from twinspark.exl3.reference import hadamard_128  # noqa: E402
 from twinspark.ops import exl3_moe, exl3_reconstruct  # noqa: E402
-from twinspark.ops.exl3_moe import plan_launch  # noqa: E402
+from twinspark.ops.exl3_moe import kernel_residency, plan_launch  # noqa: E402
 
 E, H, INTER, TOP_K = 384, 5120, 1152, 6
 KS = (2, 3, 4)
@@ -184,6 +187,9 @@ def main(argv=None) -> int:
     # GPU (benchkit.time_cuda), so it times the graph configuration unless TWINSPARK_EXL3_MOE_PDL is set.
     os.environ.setdefault("TWINSPARK_EXL3_MOE_PDL", "1")
     print(f"gate/up programmatic dependent launch: TWINSPARK_EXL3_MOE_PDL={os.environ['TWINSPARK_EXL3_MOE_PDL']}")
+    for var in ("TWINSPARK_EXL3_MOE_SMEM_PER_SM", "TWINSPARK_EXL3_MOE_FIT_SMEM"):
+        if os.environ.get(var):
+            print(f"{var}={os.environ[var]} (shared memory sized as on such a device: ops/exl3_moe.py plan_launch)")
     dev = torch.device("cuda")
     copy = bk.copy_ceiling_gbps(dev)
     anchors = bk.load_anchors()
@@ -212,8 +218,10 @@ def main(argv=None) -> int:
                             notes=f"distinct experts {sum(touched) / len(touched):.1f}; mt={cfg['mt']} "
                                   f"splitk={cfg['splitk']}")
             records.append(rec)
+            res = "/".join(map(str, kernel_residency(*ring[0], ex)))
+            rec.notes += f"; blocks_per_sm={res}"
             line = (f"K={K} T={T:5d}: {t.median_us:9.1f} us  {rec.gbps:7.0f} GB/s ({rec.gbps / copy:5.1%} of copy)  "
-                    f"experts {sum(touched) / len(touched):6.1f}")
+                    f"experts {sum(touched) / len(touched):6.1f}  blocks/SM {res}")
             if a:
                 line += f"  upstream {a.us:8.1f} us (x{a.us / t.median_us:.2f})"
             if args.graph and T <= 8:

@@ -256,6 +256,57 @@ def test_rate_words_match_the_kernels():
     assert tuple(_ext.module().exl3_moe_rate_words) == RATE_WORDS
 
 
+# Shared memory per SM (bytes) of the H200 and of GB10 (compute capability 12.x, the CUDA programming guide's table),
+# the driver's reservation per block on both, and the 16-row kernels' static shared memory (ptxas -v: 800 B).
+H200_SMEM, GB10_SMEM, RESERVED, STATIC = 233472, 102400, 1024, 800
+A_KB = 16 * 136 * 2  # one 16-row k-block of fp16 A (moe_gemm.cuh kAKbBytes)
+
+
+def _ring(words):
+    return 3 * 64 * words * 2  # kStages trellis buffers of 64 tiles
+
+
+def test_a_region_fits_the_residency():
+    """The 16-row kernels' A region (moe_gemm.cuh fit_a_bytes): the full one where the blocks per SM the registers
+    allow fit beside it, else the most whole k-blocks that leave room for them (never under two). On the H200 the
+    model's rates keep the full region; on GB10 at K=3 gate/up gets 3 k-blocks (3 blocks per SM instead of 1) and the
+    one-token down kernel 7 (2 instead of 1)."""
+    if not _ext.with_cuda():
+        pytest.skip("no CUDA build of the extension here (CPU-only or not built): nothing to size")
+    fit = _ext.module().exl3_moe_a_bytes
+    full = {False: 8 * A_KB, True: 10 * A_KB}
+    for words in (32, 48, 64):  # K = 2, 3, 4
+        assert fit(False, words, STATIC, RESERVED, H200_SMEM, 3) == full[False]
+        assert fit(True, words, STATIC, RESERVED, H200_SMEM, 2) == full[True]
+    assert fit(False, 48, STATIC, RESERVED, GB10_SMEM, 3) == 3 * A_KB
+    assert fit(True, 48, STATIC, RESERVED, GB10_SMEM, 2) == 7 * A_KB
+    for per_sm in (GB10_SMEM, H200_SMEM, 164 * 1024):
+        for down in (False, True):
+            for words in RATE_WORDS:
+                for blocks in (1, 2, 3):
+                    a = fit(down, words, STATIC, RESERVED, per_sm, blocks)
+                    fixed = _ring(words) + STATIC + RESERVED
+                    assert a % A_KB == 0 and 2 * A_KB <= a <= full[down], (per_sm, down, words, blocks, a)
+                    assert blocks * (a + fixed) <= per_sm or a == 2 * A_KB, (per_sm, down, words, blocks, a)
+                    if a < full[down]:  # shrunk: the most that fits (per_sm // blocks each), or the floor
+                        assert blocks * (a + A_KB + fixed) > blocks * (per_sm // blocks) or a == 2 * A_KB, (
+                            per_sm, down, words, blocks, a)
+    assert fit(False, 8, STATIC, RESERVED, GB10_SMEM, 3) == -1
+    assert fit(False, 48, STATIC, RESERVED, GB10_SMEM, 0) == -1
+
+
+def test_smem_per_sm_override_is_checked(monkeypatch):
+    """TWINSPARK_EXL3_MOE_SMEM_PER_SM must be a device's byte count: anything else is one clear error."""
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM", str(GB10_SMEM))
+    assert plan_launch(1, 6, 384, 5120, 1152, 132)["smem_per_sm"] == GB10_SMEM
+    for bad in ("100KB", "4096", "-1", str(10**7)):
+        monkeypatch.setenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM", bad)
+        with pytest.raises(ValueError, match="TWINSPARK_EXL3_MOE_SMEM_PER_SM"):
+            plan_launch(1, 6, 384, 5120, 1152, 132)
+    monkeypatch.delenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM")
+    assert plan_launch(1, 6, 384, 5120, 1152, 132)["smem_per_sm"] == 0
+
+
 def test_gate_up_pdl_only_under_capture(monkeypatch):
     """gate/up launches with programmatic dependent launch inside a CUDA graph capture, plainly in eager calls (the
     launch costs the host more); the switch forces either."""
@@ -572,6 +623,38 @@ def test_kernel_decode_residency(gen, cuda):
         assert seen == [(3, 2), (3, 2)], seen
     else:  # GB10 (100 KB per SM): shared memory allows fewer; never more than the sizing
         assert all(1 <= g <= 3 and 1 <= d <= 2 for g, d in seen), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fit", ["1", "0"])
+def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
+    """Sized and held as on GB10 (100 KB of shared memory per SM): with the A region fitted, gate/up keeps 3 blocks
+    per SM and the one-token down kernel 2 (K=3; 1 and 1 with the full region), and every path still matches the
+    reference with the smaller region, where pieces build A in several chunks: one token, 4-row byte-sum items,
+    items of 5-16 rows (fp16 decode), duplicate ids, mixed rates up to K=8, a 64-row prefill call."""
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM", str(GB10_SMEM))
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_FIT_SMEM", fit)
+    E = 8
+    ex = ml.random_experts(E, 5120, 1152, rates=[(3, 3, 3)] * E, codebook="mul1", generator=gen)
+    exd = ex.to(cuda)
+    x, ids, w = _inputs(gen, 1, 6, E, 5120)
+    assert kernel_residency(x.to(cuda), ids.to(cuda), w.to(cuda), exd) == ((3, 2) if fit == "1" else (1, 1))
+    got, want = _check_kernel(cuda, ex, exd, x, ids, w)
+    assert rel_l2(got, want) <= TOL, "T=1"
+    x, _, w = _inputs(gen, 16, 1, E, 5120)
+    for rows in (4, 5, 16):  # one item of `rows` rows on expert 2
+        ids = torch.full((rows, 1), 2, dtype=torch.int32)
+        got, want = _check_kernel(cuda, ex, exd, x[:rows], ids, w[:rows])
+        assert rel_l2(got, want) <= TOL, f"{rows} rows"
+    ex = ml.random_experts(E, 5120, 1152, rates=[(2, 3, 8), (8, 3, 2), (3, 3, 3), (4, 5, 2)] * 2, codebook="mul1",
+                           generator=gen)
+    exd = ex.to(cuda)
+    for T, top_k in ((1, 6), (4, 6), (8, 8), (64, 6)):
+        x, ids, w = _inputs(gen, T, top_k, E, 5120)
+        if T == 4:
+            ids[0, :3] = ids[0, 3]  # duplicate ids in a row
+        got, want = _check_kernel(cuda, ex, exd, x, ids, w)
+        assert rel_l2(got, want) <= TOL, f"T={T} mixed rates"
 
 
 @pytest.mark.gpu

@@ -165,6 +165,12 @@ bool valid_args(const Exl3MoeArgs& a) {
 
 }  // namespace
 
+int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, int per_sm, int blocks) {
+  if (max_words < 16 || max_words > 128 || static_bytes < 0 || reserved < 0 || per_sm <= 0 || blocks < 1) return -1;
+  const size_t ring = moe::gemm_smem_bytes(1, down, max_words) - moe::a_region_bytes(down);
+  return moe::fit_a_bytes(moe::a_region_bytes(down), ring, static_bytes, reserved, per_sm, blocks);
+}
+
 cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   if (!valid_args(a)) return cudaErrorInvalidValue;
   const size_t P = static_cast<size_t>(a.T) * a.topk;
@@ -238,6 +244,8 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.bytesum = a.bytesum;
   gp.early_down = a.early_down;
   gp.pdl_gate_up = a.pdl;
+  gp.smem_per_sm = a.smem_per_sm;
+  gp.fit_smem = a.fit_smem;
   gp.opaque = exl3::opaque_consts();
   gp.trace = a.trace;
 

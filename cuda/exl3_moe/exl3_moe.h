@@ -73,6 +73,9 @@ struct Exl3MoeArgs {
                      // TWINSPARK_TRACE=1 build writes it, any other ignores it)
   int* residency;    // null, or host memory for 2 ints: launch nothing, store the blocks per SM the gate/up and
                      // the down kernel of this call would get (their shared memory sized as a launch sizes it)
+  int smem_per_sm;   // 0: the device's; else size the kernels' shared memory as on a device with this many bytes
+                     // per SM (GB10: 102400) and hold them to the blocks per SM they would get there (benchmarks)
+  bool fit_smem;     // mt == 1: shrink the A region where the full one would cost blocks per SM (moe_gemm.cuh)
 };
 
 // Workspace sizes in elements. ws_int: sorted pairs [P], pair ranks [P], items [3 * max_items], item count [1],
@@ -86,5 +89,10 @@ inline void exl3_moe_workspace(int T, int topk, int H, int I, int max_items, int
 }
 
 cudaError_t exl3_moe(const Exl3MoeArgs& args, cudaStream_t stream);
+
+// The A region (bytes) a 16-row kernel (down or gate/up) of max_words per tile launches with where `blocks` of it
+// per SM must fit in per_sm bytes of shared memory, beside static_bytes of static and `reserved` per block
+// (moe_gemm.cuh fit_a_bytes); -1 for arguments out of range. Host only (tests, the GB10 sizing in NOTES.md v18).
+int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, int per_sm, int blocks);
 
 }  // namespace twinspark

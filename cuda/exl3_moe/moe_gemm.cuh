@@ -13,7 +13,8 @@
 // tiles per 128-deep k-block (one Hadamard block) into registers with the GEMM's decoder (exl3/decode_tile.cuh).
 // The rate of each expert is read on the device (experts may differ in K); one switch per block picks the decode
 // template.
-// - MT = 1 (decode, 16-row items): A of up to chunk_kb (8 gate/up, 10 down) k-blocks is built or copied at once
+// - MT = 1 (decode, 16-row items): A of up to chunk_kb (8 gate/up, 10 down; fewer where fit_a_bytes shrinks the
+//   region for a device with less shared memory, e.g. GB10) k-blocks is built or copied at once
 //   (one memory round trip), the trellis streams through a kStages cp.async ring, and the tile is the mma A
 //   operand (W_hat^T) against 8 rows of x' (one mma per tile while the item has <= 8 rows). mul1 items of <= 4 rows
 //   take the byte-sum mma instead (gemm_body_bytes: u8 products x int8 x', see "byte-sum mma" below). Shared memory:
@@ -78,6 +79,10 @@ struct GemmParams {
                               // (wait_act), not when the whole gate/up grid is done
   bool pdl_gate_up;           // host side: gate/up launched with launch_pdl (it waits for the kernel before it first)
   int* residency;             // host side: null, or launch nothing and store the kernel's blocks per SM here
+  int smem_per_sm;            // host side: 0, or the shared memory per SM to size for (Exl3MoeArgs::smem_per_sm)
+  bool fit_smem;              // host side: fit_a_bytes on (else the full A region)
+  int a_bytes;                // 16-row items: the A region's bytes (a multiple of kAKbBytes; set by the launch)
+  int a_kb;                   // a_bytes / kAKbBytes: k-blocks of 16 fp16 rows it holds
   exl3::OpaqueConsts opaque;  // the byte-sum decoder's run-time constants (exl3::lane_state_fma)
   uint64_t* trace;            // null, or per-block timeline marks (common/trace.cuh): kernel 0 gate/up, 1 down; slots
                               // 1 start, 2 routed (body begins), 3 body done (partials stored / down atomics), 4 end,
@@ -88,9 +93,27 @@ struct GemmParams {
 // (1152 per rank here) is one chunk: its second chunk was a serial A build of one k-block (one warp working, the
 // rest at the barrier) in the middle of every down block.
 __host__ __device__ constexpr int chunk_kb(bool down) { return down ? 10 : 8; }
-// 16-row items: bytes of the A chunk region; the trellis buffers follow it (both bodies and gemm_smem_bytes).
-__host__ __device__ constexpr int a_region_bytes(bool down) { return chunk_kb(down) * 16 * kAStride * 2; }
+// 16-row items: bytes of one k-block of fp16 A (16 rows), the unit the A region is sized in.
+constexpr int kAKbBytes = 16 * kAStride * 2;
+// 16-row items: bytes of the full A chunk region; the trellis buffers follow the region (both bodies: p.a_bytes,
+// which fit_a_bytes may make smaller).
+__host__ __device__ constexpr int a_region_bytes(bool down) { return chunk_kb(down) * kAKbBytes; }
+// The fewest k-blocks a region holds: the down epilogue stages 16 fp32 rows there (16 * kCStride * 4 B) and the
+// byte-sum path needs one k-block of x' for 4 rows beside its scales.
+constexpr int kAMinKb = 2;
 constexpr int kStages = 3;  // 16-row items: trellis buffers (3 * 16 KB at K = 8)
+
+// 16-row items: the A region a kernel launches with, of `full` bytes at most (a_region_bytes). The full one where
+// `blocks` blocks per SM (the residency its registers were sized for) fit with it in `per_sm` bytes of shared memory
+// per SM; else as many whole k-blocks as leave room for them (at least kAMinKb): a piece then builds its A in more
+// chunks (one more memory round trip and barrier each), but keeps its SM's other blocks. The H200 (228 KB per SM) runs
+// the full region up to K = 6; GB10 (compute capability 12.x: 100 KB per SM) would run the full gate/up region at 1
+// block per SM from K = 3 on (cuda/exl3_moe/NOTES.md v18).
+inline int fit_a_bytes(int full, size_t ring, size_t static_bytes, size_t reserved, size_t per_sm, int blocks) {
+  const long room = static_cast<long>(per_sm / blocks) - static_cast<long>(reserved + static_bytes + ring);
+  if (room >= full) return full;
+  return static_cast<int>((room / kAKbBytes > kAMinKb ? room / kAKbBytes : kAMinKb) * kAKbBytes);
+}
 
 // 16-row items: A chunk + kStages tile buffers (K = 8, down: 42.5 + 48 KB); 64-row items: 2 A blocks + 2 tile
 // buffers (K = 8: 34 + 32 KB). All <= 99 KB (GB10).
@@ -365,10 +388,10 @@ constexpr int kBytesMaxKb = 32;
 constexpr int kBytesScaleBytes = kBytesMaxKb * kBytesRows * 16;
 constexpr float kMul1Offset = 1024.f + exl3::kMul1Shift / exl3::kMul1Scale;
 
-// k-blocks of x' per chunk (the A region minus the scales: rcnt = 1 .. 4 -> 31 / 15 / 10 / 7 gate/up, 32 / 20 / 13 /
-// 10 down), and the slot stride in bytes.
-__device__ __forceinline__ int bytes_chunk(bool down, int rcnt) {
-  return min(kBytesMaxKb, ((a_region_bytes(down) - kBytesScaleBytes) / (8 * rcnt) - 16) / 128);
+// k-blocks of x' per chunk (the A region minus the scales; with the full region rcnt = 1 .. 4 -> 31 / 15 / 10 / 7
+// gate/up, 32 / 20 / 13 / 10 down), and the slot stride in bytes.
+__device__ __forceinline__ int bytes_chunk(int a_bytes, int rcnt) {
+  return min(kBytesMaxKb, ((a_bytes - kBytesScaleBytes) / (8 * rcnt) - 16) / 128);
 }
 __device__ __forceinline__ int bytes_slot_stride(int chunk) { return chunk * 128 + 16; }
 
@@ -647,10 +670,10 @@ __device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem,
                                                 int mat, int slice, int part, int kb0, int kb1, const int16_t* tr) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int nkb = kb1 - kb0, chunk = bytes_chunk(DOWN, rcnt);
+  const int nkb = kb1 - kb0, chunk = bytes_chunk(p.a_bytes, rcnt);
   uint8_t* xq = reinterpret_cast<uint8_t*>(smem);
-  float4* sc = reinterpret_cast<float4*>(smem + a_region_bytes(DOWN) - kBytesScaleBytes);
-  int16_t* tbuf = reinterpret_cast<int16_t*>(smem + a_region_bytes(DOWN));  // [kStages][64][kW]
+  float4* sc = reinterpret_cast<float4*>(smem + p.a_bytes - kBytesScaleBytes);
+  int16_t* tbuf = reinterpret_cast<int16_t*>(smem + p.a_bytes);  // [kStages][64][kW]
   const int g = lane >> 2, t = lane & 3;
   const uint8_t* xl = xq + ((g < 2 * rcnt ? g : (g & 1)) * 4 + t) * bytes_slot_stride(chunk);  // this lane's slot
   float f[2] = {0.f, 0.f};
@@ -711,16 +734,15 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
       for (int q = 0; q < 4; ++q) acc[mt][h][q] = 0.f;
 
   if constexpr (MT == 1) {
-    // 16-row items (decode): A of up to kChunkKb k-blocks is built (gate/up) or copied (down) at once (one memory
-    // round trip per chunk) and the trellis streams through kStages buffers (kStages - 1 k-blocks in flight while
-    // one is multiplied).
+    // 16-row items (decode): A of up to a_bytes / kAKbBytes k-blocks (chunk_kb with the full region) is built
+    // (gate/up) or copied (down) at once (one memory round trip per chunk) and the trellis streams through kStages
+    // buffers (kStages - 1 k-blocks in flight while one is multiplied).
     // Items of <= 8 rows (most decode items) read only rows 0-7 of A: their k-blocks are 8 rows apart, so twice
     // as many fit in the chunk (gate/up at 3 k-split parts: 14 k-blocks, one A build instead of two).
-    constexpr int kChunkKb = chunk_kb(DOWN);
     const int arows = rcnt > 8 ? 16 : 8;
-    const int chunk = kChunkKb * 16 / arows;
-    __half* abuf = reinterpret_cast<__half*>(smem);                               // [chunk][arows][kAStride]
-    int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + kChunkKb * 16 * kAStride);  // [kStages][64][kW]
+    const int chunk = rcnt > 8 ? p.a_kb : 2 * p.a_kb;
+    __half* abuf = reinterpret_cast<__half*>(smem);                // [chunk][arows][kAStride]
+    int16_t* tbuf = reinterpret_cast<int16_t*>(smem + p.a_bytes);  // [kStages][64][kW]
     chunk_ring<DOWN, kW>(
         p, rows, tr, slice, kb0, nkb, chunk, tbuf,
         [&](int c0, int cn) {
@@ -995,48 +1017,77 @@ cudaError_t cap_blocks_per_sm(Kernel kernel, int minb, size_t& smem) {
   return cudaSuccess;
 }
 
-// The dynamic shared memory a kernel launches with on the current device: its attribute raised, sized
-// (cap_blocks_per_sm where `cap`) and raised again, once per device and size asked for (max_words decides it), then
-// remembered in `memo` (asked << 32 | launched, per device): the occupancy query and the attribute calls are host
-// work that otherwise ran on every launch, twice per decode layer. Devices past the memo's 64 prepare every launch.
+// The dynamic shared memory a kernel launches with on the current device, and (16-row items, `a_full` > 0) its A
+// region: `ring` + the region (fit_a_bytes where `fit`, else a_full); the attribute raised; where `cap`, padded until
+// no more than `minb` blocks fit an SM (cap_blocks_per_sm), and with `emu_per_sm` > 0 sized for a device of that much
+// shared memory per SM and padded to the blocks per SM it would get there (registers permitting; the padding is
+// this device's). Once per device and (size asked, emu_per_sm, fit), then remembered in `memo` (key << 36 | smem <<
+// 18 | A region, per device): the occupancy query and the attribute calls are host work that otherwise ran on every
+// launch, twice per decode layer. Devices past the memo's 64 prepare every launch.
 // The attribute goes first: the occupancy query counts no block whose dynamic shared memory is above it (asked
 // before, the first call's query found 0 blocks, left the size unpadded, and the memo kept the 2-per-SM down
 // kernel at 3 per SM: T=1 +10%, cuda/exl3_moe/NOTES.md v17).
 template <class Kernel>
-cudaError_t prepare_smem(std::atomic<uint64_t> (&memo)[64], Kernel kernel, int minb, bool cap, size_t& smem) {
+cudaError_t prepare_smem(std::atomic<uint64_t> (&memo)[64], Kernel kernel, int minb, bool cap, int a_full, size_t ring,
+                         int emu_per_sm, bool fit, size_t& smem, int& a_bytes) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  const uint64_t asked = static_cast<uint64_t>(smem);
+  const size_t asked = static_cast<size_t>(a_full) + ring;
+  if (asked >= (1u << 18) || emu_per_sm < 0 || emu_per_sm >= (1 << 19)) return cudaErrorInvalidValue;
+  const uint64_t key = asked | static_cast<uint64_t>(emu_per_sm / 1024) << 18 | static_cast<uint64_t>(fit) << 27;
   if (dev >= 0 && dev < 64) {
     const uint64_t m = memo[dev].load(std::memory_order_acquire);
-    if (m >> 32 == asked) {
-      smem = static_cast<size_t>(m & 0xffffffffu);
+    if (m >> 36 == key) {
+      smem = static_cast<size_t>(m >> 18 & 0x3ffffu);
+      a_bytes = static_cast<int>(m & 0x3ffffu);
       return cudaSuccess;
     }
   }
+  int per_sm = 0, reserved = 0;
+  cudaFuncAttributes attr{};
+  if ((err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev)) != cudaSuccess ||
+      (err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess)
+    return err;
+  const size_t sized_for = emu_per_sm > 0 ? static_cast<size_t>(emu_per_sm) : static_cast<size_t>(per_sm);
+  a_bytes = a_full > 0 && fit ? fit_a_bytes(a_full, ring, attr.sharedSizeBytes, reserved, sized_for, minb) : a_full;
+  smem = static_cast<size_t>(a_bytes) + ring;
+  // Set whatever the size: without it a kernel takes 48 KB less its static shared memory (a first launch at 48.9 KB
+  // failed with "invalid argument" once the GB10 sizing made the down kernel's size that: NOTES.md v18).
   const auto raise = [&](size_t bytes) {
-    return bytes > 48 * 1024
-               ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes))
-               : cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   };
   if ((err = raise(smem)) != cudaSuccess) return err;
-  if (cap) {
+  int limit = cap ? minb : 0;
+  if (emu_per_sm > 0) {
+    const int there = static_cast<int>(sized_for / (smem + attr.sharedSizeBytes + reserved));
+    if (there < 1) return cudaErrorInvalidValue;  // would not launch there at all
+    limit = limit > 0 && limit < there ? limit : there;
+  }
+  if (limit > 0) {
     const size_t unpadded = smem;
-    if ((err = cap_blocks_per_sm(kernel, minb, smem)) != cudaSuccess) return err;
+    if ((err = cap_blocks_per_sm(kernel, limit, smem)) != cudaSuccess) return err;
     if (smem != unpadded && (err = raise(smem)) != cudaSuccess) return err;
   }
-  if (dev >= 0 && dev < 64) memo[dev].store(asked << 32 | smem, std::memory_order_release);
+  if (dev >= 0 && dev < 64)
+    memo[dev].store(key << 36 | static_cast<uint64_t>(smem) << 18 | static_cast<uint64_t>(a_bytes),
+                    std::memory_order_release);
   return cudaSuccess;
 }
 
 template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0>
-cudaError_t launch_one(const GemmParams& p, int max_items, int max_words, cudaStream_t stream) {
-  size_t smem = gemm_smem_bytes(MT, DOWN, max_words);
+cudaError_t launch_one(const GemmParams& params, int max_items, int max_words, cudaStream_t stream) {
+  GemmParams p = params;
+  const size_t all = gemm_smem_bytes(MT, DOWN, max_words);
+  const int a_full = MT == 1 ? a_region_bytes(DOWN) : 0;  // 64-row items: both double buffers are fixed
   auto kernel = moe_gemm_kernel<CB, MT, DOWN, MINB, WORDS>;
   static std::atomic<uint64_t> memo[64];  // per device (prepare_smem), zero-initialized
-  const cudaError_t err = prepare_smem(memo, kernel, MINB, MT == 1 && DOWN && MINB == 2, smem);
+  size_t smem = 0;
+  const cudaError_t err = prepare_smem(memo, kernel, MINB, MT == 1 && DOWN && MINB == 2, a_full, all - a_full,
+                                       p.smem_per_sm, p.fit_smem, smem, p.a_bytes);
   if (err != cudaSuccess) return err;
+  p.a_kb = p.a_bytes / kAKbBytes;
   if (p.residency) return cudaOccupancyMaxActiveBlocksPerMultiprocessor(p.residency, kernel, kThreads, smem);
   const int groups = max_items * (p.I / 128), ns = p.short_groups;
   const dim3 grid = DOWN     ? dim3(p.H / 128, max_items)

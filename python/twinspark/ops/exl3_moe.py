@@ -31,6 +31,9 @@ MAX_EXPERTS = 4000  # the routing kernel counts in shared memory
 RATE_WORDS = tuple(sorted(words_per_tile(K) for K in WHOLE_RATES + HALF_RATES))  # the decode kernels per rate
 DECODE_MAX_PAIRS = 64  # T * top_k up to this: decode (2 launches: in-block routing, split-k, fused convert)
 MAX_ITEMS = 65535  # the kernels' grid y / z extent (exl3_moe.h)
+# TWINSPARK_EXL3_MOE_SMEM_PER_SM: from 100 KB (GB10, compute capability 12.x; every kernel launches there, full region
+# or not) to the H200's 228 KB
+SMEM_PER_SM_RANGE = (100 * 1024, 228 * 1024)
 GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers x 256 threads; moe_gemm.cuh MINB)
 
 
@@ -146,8 +149,24 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # TWINSPARK_EXL3_MOE_EARLY_DOWN=1 / 0 forces either.
     one_wave = decode and short_groups > 0
     early_down = mt == 1 and _switch("TWINSPARK_EXL3_MOE_EARLY_DOWN", not one_wave)
+    # 16-row kernels: where the full A region would cost blocks per SM (GB10: 100 KB of shared memory per SM), a
+    # smaller one (moe_gemm.cuh fit_a_bytes). TWINSPARK_EXL3_MOE_SMEM_PER_SM=<bytes> sizes and holds the kernels as on
+    # a device with that much (GB10: 102400) on this one; TWINSPARK_EXL3_MOE_FIT_SMEM=0 keeps the full region (A/B).
     return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
-                small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum, early_down=early_down)
+                small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum, early_down=early_down,
+                smem_per_sm=smem_per_sm_override(), fit_smem=_switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
+
+
+def smem_per_sm_override() -> int:
+    """TWINSPARK_EXL3_MOE_SMEM_PER_SM: 0 (unset) or the bytes of shared memory per SM to size the kernels for."""
+    value = os.environ.get("TWINSPARK_EXL3_MOE_SMEM_PER_SM", "").strip()
+    if not value:
+        return 0
+    if not value.isdigit() or not SMEM_PER_SM_RANGE[0] <= int(value) <= SMEM_PER_SM_RANGE[1]:
+        raise ValueError(f"TWINSPARK_EXL3_MOE_SMEM_PER_SM={value!r} is not a byte count from {SMEM_PER_SM_RANGE[0]} "
+                         f"to {SMEM_PER_SM_RANGE[1]}; set it to a device's shared memory per SM (GB10: 102400) or "
+                         "unset it")
+    return int(value)
 
 
 def gate_up_pdl(capturing: bool) -> bool:
@@ -219,6 +238,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
             cfg["small_route"], cfg["bytesum"], cfg["early_down"], pdl, _ext.stream_ptr(dev),
             0 if trace is None else trace.data_ptr(), 0 if residency is None else residency.data_ptr(),
+            cfg["smem_per_sm"], cfg["fit_smem"],
         )
     return out
 
