@@ -9,9 +9,9 @@ experts a call routes to, averaged over the ring), the upstream H200 anchor, and
 touched experts (twinspark exl3_reconstruct) + torch matmuls" timed in the same run (its routing bookkeeping is
 done on the host outside the timed region: that favours the baseline). Then the targets and a GB10 prediction.
 gate/up is launched as in a CUDA graph (programmatic dependent launch) unless TWINSPARK_EXL3_MOE_PDL is set.
-Each line shows the two kernels' blocks per SM (gate/up / down). TWINSPARK_EXL3_MOE_SMEM_PER_SM=102400 sizes and holds
-them as GB10's 100 KB of shared memory per SM would (ops/exl3_moe.py): its time, scaled as the GB10 prediction scales,
-is the prediction at GB10's residency.
+Each line shows the two kernels' blocks per SM (gate/up / down). At T=1 the prediction is also made from the time
+with the kernels sized and held as GB10's 100 KB of shared memory per SM would hold them (time_at_gb10_residency;
+TWINSPARK_EXL3_MOE_SMEM_PER_SM=102400 runs the whole benchmark that way).
 Writes exl3_moe.json (benchkit) and exl3_moe.png (µs per layer vs T for each K, with the upstream anchors, the
 baseline and the targets).
 
@@ -137,6 +137,20 @@ def time_graph(ex, ring, replays: int = 7) -> float:
     return t.median_us / len(ring)
 
 
+def time_at_gb10_residency(ex, ring, iters: int) -> tuple[float, str]:
+    """µs per layer here with the kernels' shared memory sized and held as on GB10 (benchkit.GB10_SMEM_PER_SM per SM;
+    TWINSPARK_EXL3_MOE_SMEM_PER_SM, ops/exl3_moe.py), and their blocks per SM: the time the GB10 prediction should
+    scale, since there shared memory, not registers, can decide how many blocks share an SM."""
+    var = "TWINSPARK_EXL3_MOE_SMEM_PER_SM"
+    os.environ[var] = str(bk.GB10_SMEM_PER_SM)
+    try:
+        t = bk.time_cuda(lambda x, ids, w: exl3_moe(x, ids, w, ex), args=ring, warmup=3, iters=iters)
+        res = "/".join(map(str, kernel_residency(*ring[0], ex)))
+    finally:
+        del os.environ[var]
+    return t.median_us, res
+
+
 def sweep(dev, gen) -> None:
     """Decode time at each gate/up split-k (TWINSPARK_EXL3_MOE_SPLITK), K=3: what plan_launch should pick."""
     ex = make_experts(3.0, dev)
@@ -244,6 +258,13 @@ def main(argv=None) -> int:
                          f"{bk.gbps(nbytes, pred['bounded_us']):.0f} GB/s (bandwidth floor {pred['bw_floor_us']:.1f}, "
                          f"decode {pred['decode_us']:.1f}); naive {pred['naive_us']:.1f} us = "
                          f"{bk.gbps(nbytes, pred['naive_us']):.0f} GB/s; published {GB10_PUBLISHED_GBPS:.0f} GB/s")
+                if not os.environ.get("TWINSPARK_EXL3_MOE_SMEM_PER_SM"):
+                    t10, res10 = time_at_gb10_residency(ex, ring, args.iters)
+                    p10 = bk.predict_gb10_us(nbytes, t10, copy, launches=2)
+                    rec.notes += f"; gb10_residency_us={t10:.1f} gb10_residency_bounded_us={p10['bounded_us']:.1f}"
+                    line += (f"\n    the same at GB10's residency (shared memory sized as there, blocks/SM {res10}): "
+                             f"{t10:.1f} us here -> bounded {p10['bounded_us']:.1f} us = "
+                             f"{bk.gbps(nbytes, p10['bounded_us']):.0f} GB/s (decode {p10['decode_us']:.1f})")
             print(line, flush=True)
             summary.append((K, T, t.median_us, pred))
         del ex, base

@@ -107,8 +107,9 @@ constexpr int kStages = 3;  // 16-row items: trellis buffers (3 * 16 KB at K = 8
 // `blocks` blocks per SM (the residency its registers were sized for) fit with it in `per_sm` bytes of shared memory
 // per SM; else as many whole k-blocks as leave room for them (at least kAMinKb): a piece then builds its A in more
 // chunks (one more memory round trip and barrier each), but keeps its SM's other blocks. The H200 (228 KB per SM) runs
-// the full region up to K = 6; GB10 (compute capability 12.x: 100 KB per SM) would run the full gate/up region at 1
-// block per SM from K = 3 on (cuda/exl3_moe/NOTES.md v18).
+// the full region up to K = 5 (from K = 6 on the smaller one is 0-15% faster there, NOTES.md v18); GB10 (compute
+// capability 12.x: 100 KB per SM) would run the full gate/up region at 1 block per SM from K = 3 on
+// (cuda/exl3_moe/NOTES.md v18).
 inline int fit_a_bytes(int full, size_t ring, size_t static_bytes, size_t reserved, size_t per_sm, int blocks) {
   const long room = static_cast<long>(per_sm / blocks) - static_cast<long>(reserved + static_bytes + ring);
   if (room >= full) return full;

@@ -244,6 +244,7 @@ def rotate(
 GB10_BW = 273e9  # bytes/s, LPDDR5x peak (the issues' number)
 GB10_BW_FRACTION = 0.85  # assumed achievable fraction of peak for a streaming read (not measured here)
 GB10_SMS, GB10_CLOCK = 48, 2.4e9  # assumed SM clock under load (not measured here)
+GB10_SMEM_PER_SM = 100 * 1024  # shared memory per SM of compute capability 12.x (the CUDA guide; not read from a Spark)
 H200_SMS, H200_CLOCK = 132, 1.98e9  # measured clock under load (KINDS.md)
 GB10_LAUNCH_US = 4.0  # fixed cost per kernel (launch + prologue + tail), assumed ~2x the H200's
 H200_LAUNCH_US = 2.0
