@@ -29,6 +29,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 PIPES = {
@@ -102,6 +103,12 @@ def hot_loops(funcs: dict[str, list[tuple[int, str]]], anchor: str = "IMMA|HMMA"
     return found
 
 
+def _fail(msg: str) -> NoReturn:
+    """Bad input or a missing tool: one sentence on stderr, exit status 2."""
+    print(msg, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def demangle(names: list[str]) -> dict[str, str]:
     exe = shutil.which("c++filt")
     if not exe or not names:
@@ -136,27 +143,28 @@ def disassemble(binary: Path, arch: str | None) -> str:
     cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     if not cuobjdump or not nvdisasm:
         missing = " and ".join(n for n, t in (("cuobjdump", cuobjdump), ("nvdisasm", nvdisasm)) if not t)
-        raise SystemExit(f"sass_loops: {missing} not found; install the CUDA toolkit or "
+        _fail(f"sass_loops: {missing} not found; install the CUDA toolkit or "
                          "`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`.")
     env = dict(os.environ, PATH=f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = [cuobjdump, "-sass"] + (["-arch", f"sm_{arch}"] if arch else []) + [str(binary)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
-        raise SystemExit(f"sass_loops: cuobjdump could not read {binary}: {run.stderr.strip().splitlines()[-1:]}")
+        last = (run.stderr.strip().splitlines() or ["no message"])[-1]
+        _fail(f"sass_loops: cuobjdump could not read {binary} ({last}); give a .so / .cubin with device code.")
     return run.stdout
 
 
 def compile_cu(src: Path, arch: str, out_dir: Path, defines: list[str]) -> Path:
     nvcc = find_tool("nvcc")
     if not nvcc:
-        raise SystemExit("sass_loops: nvcc not found; a .cu file needs the CUDA toolkit (or give a built .so / .cubin).")
+        _fail("sass_loops: nvcc not found; a .cu file needs the CUDA toolkit (or give a built .so / .cubin).")
     cubin = out_dir / (src.stem + f".sm_{arch}.cubin")
     cmd = [nvcc, "-DTWINSPARK_WITH_CUDA=1", f"-I{REPO / 'cuda'}", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
            f"--generate-code=arch=compute_{arch},code=[sm_{arch}]", "-cubin", "-x", "cu", str(src), "-o", str(cubin)]
     cmd[1:1] = [f"-D{d}" for d in defines]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
-        raise SystemExit(f"sass_loops: nvcc failed on {src}:\n{run.stderr[-3000:]}")
+        _fail(f"sass_loops: nvcc failed on {src}:\n{run.stderr[-3000:]}")
     return cubin
 
 
@@ -188,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sass_loops: {a.input} does not exist; give a .cu file, a built .so / .cubin, or a saved "
               "`cuobjdump -sass` listing.", file=sys.stderr)
         return 2
-    if a.input.suffix == ".cu":
-        with tempfile.TemporaryDirectory() as tmp:
-            sass = disassemble(compile_cu(a.input, a.arch or "90a", Path(tmp), a.defines), None)
-    elif a.input.suffix in (".so", ".cubin", ".o", ".fatbin"):
-        sass = disassemble(a.input, a.arch)
-    else:
-        sass = a.input.read_text(errors="replace")
+    try:
+        if a.input.suffix == ".cu":
+            with tempfile.TemporaryDirectory() as tmp:
+                sass = disassemble(compile_cu(a.input, a.arch or "90a", Path(tmp), a.defines), None)
+        elif a.input.suffix in (".so", ".cubin", ".o", ".fatbin"):
+            sass = disassemble(a.input, a.arch)
+        else:
+            sass = a.input.read_text(errors="replace")
+    except SystemExit as exc:  # _fail: the sentence is printed
+        return int(exc.code)
     funcs = parse_functions(sass)
     if not funcs:
         print(f"sass_loops: no SASS functions in {a.input} (is it a cuobjdump -sass listing, or a binary without "

@@ -105,3 +105,7 @@ def test_compiles_and_reports_a_kernel(tmp_path, capsys):
     assert "probe(" in out and "IMMA" in out
     # the four products per iteration are IMADs on the FMA pipe
     assert int(out.split("fma-int ")[1].split(",")[0]) >= 4
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"not an ELF with device code")
+    assert sass_loops.main([str(junk)]) == 2
+    assert "could not read" in capsys.readouterr().err
