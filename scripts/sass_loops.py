@@ -33,11 +33,11 @@ from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 PIPES = {
-    "fma-int": ("IMAD", "IMUL", "IDP", "IMNMX"),
+    "fma-int": ("IMAD", "IMUL", "IDP"),
     "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "HFMA2", "HMUL2", "HADD2"),
     "fp64": ("DFMA", "DMUL", "DADD"),
     "alu": ("LOP3", "PRMT", "SHF", "IADD3", "VIADD", "ISETP", "SEL", "LEA", "IABS", "BMSK", "SGXT", "FLO", "POPC",
-            "MOV", "PLOP3", "P2R", "R2P"),
+            "MOV", "PLOP3", "P2R", "R2P", "IMNMX", "VIMNMX"),
     "tensor": ("IMMA", "HMMA", "DMMA", "HGMMA", "IGMMA", "QGMMA", "UTCMMA"),
     "xu": ("I2F", "F2I", "I2FP", "F2FP", "MUFU", "F2F", "FRND"),
     "shared": ("LDS", "STS", "LDSM", "SHFL", "ATOMS", "LDGSTS", "STSM"),
@@ -192,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="extra macro for a .cu compile")
     a = ap.parse_args(argv)
+    for flag, pattern in (("--kernel", a.kernel), ("--anchor", a.anchor)):
+        try:
+            re.compile(pattern or "")
+        except re.error as exc:
+            print(f"sass_loops: {flag} {pattern!r} is not a regular expression ({exc}); escape ( ) [ ] * + ? with \\.",
+                  file=sys.stderr)
+            return 2
     if not a.input.exists():
         print(f"sass_loops: {a.input} does not exist; give a .cu file, a built .so / .cubin, or a saved "
               "`cuobjdump -sass` listing.", file=sys.stderr)

@@ -67,6 +67,8 @@ def test_report_and_bad_input(tmp_path, capsys):
     assert "loop 0x60-0xb0: 6 instructions" in out and "fma-int 2" in out and "IMAD 2" in out
     assert sass_loops.main([str(listing), "--kernel", "nothing-like-this"]) == 1
     assert "no loop holding" in capsys.readouterr().err
+    assert sass_loops.main([str(listing), "--kernel", "k1("]) == 2
+    assert "not a regular expression" in capsys.readouterr().err
     assert sass_loops.main([str(tmp_path / "missing.cu")]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and err.count("\n") == 1
