@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "python"))  # this checkout's twinspark.buildinfo (stdlib only), installed or not
+from twinspark.buildinfo import find_cuda_tool  # noqa: E402
+
 PIPES = {
     "fma-int": ("IMAD", "IMUL", "IDP"),
     "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "HFMA2", "HMUL2", "HADD2"),
@@ -117,30 +120,8 @@ def demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
 
 
-def _tool_dirs() -> list[str]:
-    dirs = []
-    try:
-        import nvidia  # the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels: nvidia/cu*/bin/
-
-        for base in nvidia.__path__:
-            dirs += [str(p) for p in Path(base).glob("cu*/bin")]
-    except ImportError:
-        pass
-    return dirs + ["/usr/local/cuda/bin"]
-
-
-def find_tool(name: str) -> str | None:
-    exe = shutil.which(name)
-    if exe:
-        return exe
-    for d in _tool_dirs():
-        if (Path(d) / name).exists():
-            return str(Path(d) / name)
-    return None
-
-
 def disassemble(binary: Path, arch: str | None) -> str:
-    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    cuobjdump, nvdisasm = find_cuda_tool("cuobjdump"), find_cuda_tool("nvdisasm")
     if not cuobjdump or not nvdisasm:
         missing = " and ".join(n for n, t in (("cuobjdump", cuobjdump), ("nvdisasm", nvdisasm)) if not t)
         _fail(f"sass_loops: {missing} not found; install the CUDA toolkit or "
@@ -155,7 +136,7 @@ def disassemble(binary: Path, arch: str | None) -> str:
 
 
 def compile_cu(src: Path, arch: str, out_dir: Path, defines: list[str]) -> Path:
-    nvcc = find_tool("nvcc")
+    nvcc = find_cuda_tool("nvcc")
     if not nvcc:
         _fail("sass_loops: nvcc not found; a .cu file needs the CUDA toolkit (or give a built .so / .cubin).")
     cubin = out_dir / (src.stem + f".sm_{arch}.cubin")

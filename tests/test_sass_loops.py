@@ -97,7 +97,7 @@ __global__ void probe(const uint32_t* a, int* out, int n) {
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it): the .cu path compiles here")
 def test_compiles_and_reports_a_kernel(tmp_path, capsys):
-    if not (sass_loops.find_tool("cuobjdump") and sass_loops.find_tool("nvdisasm")):
+    if not (sass_loops.find_cuda_tool("cuobjdump") and sass_loops.find_cuda_tool("nvdisasm")):
         pytest.skip("cuobjdump / nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump and "
                     "nvidia-cuda-nvdisasm)")
     src = tmp_path / "probe.cu"

@@ -18,19 +18,25 @@ from pathlib import Path
 DEFAULT_ARCHS = ("90a", "121a")
 
 
-def find_cuobjdump() -> str | None:
-    for cand in (shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
+def find_cuda_tool(name: str) -> str | None:
+    """A CUDA binary (cuobjdump, nvdisasm, nvcc): on PATH, in /usr/local/cuda/bin, or from the NVIDIA wheels
+    (nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm put them in nvidia/cu*/bin)."""
+    for cand in (shutil.which(name), f"/usr/local/cuda/bin/{name}"):
         if cand and Path(cand).exists():
             return cand
     try:
-        import nvidia  # the nvidia-cuda-cuobjdump wheel: nvidia/cu13/bin/cuobjdump
+        import nvidia
 
         for base in nvidia.__path__:
-            for p in Path(base).glob("cu*/bin/cuobjdump"):
+            for p in Path(base).glob(f"cu*/bin/{name}"):
                 return str(p)
     except ImportError:
         pass
     return None
+
+
+def find_cuobjdump() -> str | None:
+    return find_cuda_tool("cuobjdump")
 
 
 def ensure_cuobjdump() -> str:
