@@ -221,7 +221,8 @@ __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows
       exl3::load4_half(p.suh2 + static_cast<size_t>(e) * p.I + col, sd);
     };
     // SCALES_FIRST (finish_act, one warp per row on the layer's critical path): the scale loads overlap the parts'
-    // L2 round trip. The 64-row build keeps them after it (loaded first they cost 100 B of spills there).
+    // L2 round trip (and hit L2 in the one-rate kernels: prefetch_act_scales). The 64-row build keeps them after it
+    // (loaded first they cost 100 B of spills there).
     if constexpr (SCALES_FIRST) load_scales();
     const float* g = p.gu32 + static_cast<size_t>(rows.pair[r]) * 2 * p.I + col;
     const size_t part = static_cast<size_t>(p.P) * 2 * p.I;
@@ -309,6 +310,29 @@ __device__ __forceinline__ void copy_act_chunk(const GemmParams& p, const RowTab
       if (i < total) *reinterpret_cast<uint4*>(a + ((q >> 4) * arows + r) * kAStride + (q & 15) * 8) = v[j];
     }
   }
+}
+
+// The per-column scales a 16-row block's epilogue reads on the layer's critical path, fetched when the block starts
+// (cold, they would cost that epilogue an HBM round trip, ~1 us at one token). Gate/up (finish_act: whichever block
+// of the group arrives last builds the activations): svh of gate and up and suh of down for the 128 columns of I
+// `slice`, 3 x 256 B prefetched into L2 (copied to shared memory instead, the K=3 loop's code grew 3% and the layer
+// 2%: NOTES.md v20). Down: svh of down for its 128 output columns, 256 B to shared memory (cp.async, in the first group
+// of the trellis ring; down_out reads them there). Only the one-rate kernels (decode) do either: with every 16-row
+// kernel staging its scales in shared memory, those that dispatch on every rate spilled (T=32 +1-2%).
+__device__ __forceinline__ void prefetch_act_scales(const GemmParams& p, int e, int slice) {
+  const int t = threadIdx.x, c = slice * 128 + (t & 1) * 64;  // 128-byte lines: two per 128 fp16
+  if (t >= 6) return;
+  const __half* src =
+      t < 4 ? p.svh13 + (static_cast<size_t>(e) * 2 + (t >> 1)) * p.I + c : p.suh2 + static_cast<size_t>(e) * p.I + c;
+  asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(src));
+}
+__device__ __forceinline__ __half* staged_svh2() {
+  __shared__ __align__(16) __half svh[128];
+  return svh;
+}
+__device__ __forceinline__ void stage_svh2(const GemmParams& p, int e, int slice) {
+  const int t = threadIdx.x;
+  if (t < 16) cp_async16(staged_svh2() + t * 8, p.svh2 + static_cast<size_t>(e) * p.H + slice * 128 + t * 8);
 }
 
 // Gate/up, 16-row items, after the block stored its partial sums: one acquire-release arrival per (item, 128
@@ -610,15 +634,21 @@ __device__ __forceinline__ void mma_kblock(const int16_t* tb, const __half* ab, 
 }
 
 // Down epilogue: the block's raw sums staged in cbuf [rcnt][kCStride] -> output Hadamard, svh, times the pair's
-// routing weight, fp32 atomics into out32.
+// routing weight, fp32 atomics into out32. STAGED: svh is in shared memory (stage_svh2), else read from global.
+template <bool STAGED>
 __device__ __forceinline__ void down_out(const GemmParams& p, const RowTables& rows, int e, int rcnt, int slice,
                                          const float* cbuf) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   pdl_wait();  // early_down: gate/up (which zeroes out32 in decode) may still run until here
+  if constexpr (STAGED) cp_async_wait<0>();  // the first ring group: long done
   __syncthreads();
   const int col = slice * 128 + lane * 4;
   float sv[4];
-  exl3::load4_half(p.svh2 + static_cast<size_t>(e) * p.H + col, sv);
+  if constexpr (STAGED) {
+    exl3::load4_half(staged_svh2() + lane * 4, sv);
+  } else {
+    exl3::load4_half(p.svh2 + static_cast<size_t>(e) * p.H + col, sv);
+  }
   for (int r = warp; r < rcnt; r += kThreads / 32) {
     const float4 c4 = *reinterpret_cast<const float4*>(cbuf + r * kCStride + lane * 4);
     float v[4] = {c4.x, c4.y, c4.z, c4.w};
@@ -666,7 +696,7 @@ __device__ __forceinline__ void chunk_ring(const GemmParams& p, const RowTables&
 
 // The 16-row body for mul1 items of <= 4 rows with the byte-sum mma (see "byte-sum mma" above): the same chunked
 // A and trellis ring as gemm_body (chunk_ring), x' as bytes.
-template <bool DOWN, int KA, bool HALF>
+template <bool DOWN, bool STAGED, int KA, bool HALF>
 __device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
                                                 int mat, int slice, int part, int kb0, int kb1, const int16_t* tr) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);
@@ -707,11 +737,12 @@ __device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem,
       cbuf[t * kCStride + warp * 16 + g] = y0;
       cbuf[t * kCStride + warp * 16 + g + 8] = y1;
     }
-    down_out(p, rows, e, rcnt, slice, cbuf);
+    down_out<STAGED>(p, rows, e, rcnt, slice, cbuf);
   }
 }
 
-template <int CB, int MT, bool DOWN, int KA, bool HALF>
+// STAGED: a one-rate kernel, whose down blocks stage svh (stage_svh2).
+template <int CB, int MT, bool DOWN, bool STAGED, int KA, bool HALF>
 __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
                                           int mat, int slice, int part, int kb0, int kb1, const int16_t* tr) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);  // int16 per tile
@@ -721,7 +752,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
   const int nkb = kb1 - kb0;
   if constexpr (MT == 1 && CB == exl3::kCbMul1) {
     if (p.bytesum && rcnt <= kBytesRows) {
-      gemm_body_bytes<DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr);
+      gemm_body_bytes<DOWN, STAGED, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr);
       return;
     }
   }
@@ -830,7 +861,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
                 make_float2(acc[mt][h][2 * hr], acc[mt][h][2 * hr + 1]);
           }
     }
-    down_out(p, rows, e, rcnt, slice, cbuf);
+    down_out<MT == 1 && STAGED>(p, rows, e, rcnt, slice, cbuf);
   }
 }
 
@@ -846,12 +877,13 @@ __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, c
                                               const int16_t* tr) {
   if constexpr (WORDS != 0) {
     if (words == WORDS)  // always, by the host's contract
-      gemm_body<CB, MT, DOWN, WORDS / 16, WORDS % 16 == 8>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr);
+      gemm_body<CB, MT, DOWN, MT == 1, WORDS / 16, WORDS % 16 == 8>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1,
+                                                                    tr);
     return;
   }
-#define TS_MOE_RATE(KA, HALF)                                                                  \
+#define TS_MOE_RATE(KA, HALF)                                                                         \
   case 16 * KA + (HALF ? 8 : 0):                                                       \
-    gemm_body<CB, MT, DOWN, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr); \
+    gemm_body<CB, MT, DOWN, false, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr); \
     break;
   switch (words) {
     TS_MOE_RATE(1, false)
@@ -960,6 +992,13 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
   const int kb0 = pc.part * per, kb1 = min(kbs, kb0 + per);
   const int words = p.words[e * 3 + mat];  // both in flight over the row tables' barrier
   const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
+  if constexpr (MT == 1 && WORDS != 0) {  // the one-rate kernels (prefetch_act_scales)
+    if constexpr (DOWN) {
+      stage_svh2(p, e, slice);  // committed with the ring's first k-block
+    } else {
+      prefetch_act_scales(p, e, slice);
+    }
+  }
   if (threadIdx.x == 0) rows.item = item;
   for (int r = threadIdx.x; r < rcnt; r += kThreads) {
     const int pair = p.small_route ? rows.pair[r] : p.sorted[rbeg + r];
