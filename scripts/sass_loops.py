@@ -125,7 +125,7 @@ def disassemble(binary: Path, arch: str | None) -> str:
     if not cuobjdump or not nvdisasm:
         missing = " and ".join(n for n, t in (("cuobjdump", cuobjdump), ("nvdisasm", nvdisasm)) if not t)
         _fail(f"sass_loops: {missing} not found; install the CUDA toolkit or "
-                         "`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`.")
+              "`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`.")
     env = dict(os.environ, PATH=f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = [cuobjdump, "-sass"] + (["-arch", f"sm_{arch}"] if arch else []) + [str(binary)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -173,32 +173,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="extra macro for a .cu compile")
     a = ap.parse_args(argv)
+    try:
+        return _run(a)
+    except SystemExit as exc:  # _fail: the sentence is printed
+        return int(exc.code)
+
+
+def _run(a: argparse.Namespace) -> int:
     for flag, pattern in (("--kernel", a.kernel), ("--anchor", a.anchor)):
         try:
             re.compile(pattern or "")
         except re.error as exc:
-            print(f"sass_loops: {flag} {pattern!r} is not a regular expression ({exc}); escape ( ) [ ] * + ? with \\.",
-                  file=sys.stderr)
-            return 2
+            _fail(f"sass_loops: {flag} {pattern!r} is not a regular expression ({exc}); escape ( ) [ ] * + ? with \\.")
     if not a.input.exists():
-        print(f"sass_loops: {a.input} does not exist; give a .cu file, a built .so / .cubin, or a saved "
-              "`cuobjdump -sass` listing.", file=sys.stderr)
-        return 2
-    try:
-        if a.input.suffix == ".cu":
-            with tempfile.TemporaryDirectory() as tmp:
-                sass = disassemble(compile_cu(a.input, a.arch or "90a", Path(tmp), a.defines), None)
-        elif a.input.suffix in (".so", ".cubin", ".o", ".fatbin"):
-            sass = disassemble(a.input, a.arch)
-        else:
-            sass = a.input.read_text(errors="replace")
-    except SystemExit as exc:  # _fail: the sentence is printed
-        return int(exc.code)
+        _fail(f"sass_loops: {a.input} does not exist; give a .cu file, a built .so / .cubin, or a saved "
+              "`cuobjdump -sass` listing.")
+    if a.input.suffix == ".cu":
+        with tempfile.TemporaryDirectory() as tmp:
+            sass = disassemble(compile_cu(a.input, a.arch or "90a", Path(tmp), a.defines), None)
+    elif a.input.suffix in (".so", ".cubin", ".o", ".fatbin"):
+        sass = disassemble(a.input, a.arch)
+    else:
+        sass = a.input.read_text(errors="replace")
     funcs = parse_functions(sass)
     if not funcs:
-        print(f"sass_loops: no SASS functions in {a.input} (is it a cuobjdump -sass listing, or a binary without "
-              "device code for that arch?).", file=sys.stderr)
-        return 2
+        _fail(f"sass_loops: no SASS functions in {a.input} (is it a cuobjdump -sass listing, or a binary without "
+              "device code for that arch?).")
     text = report(hot_loops(funcs, a.anchor, a.max_size), a.kernel, a.top)
     if not text:
         print(f"sass_loops: {len(funcs)} functions, but no loop holding /{a.anchor}/ of at most {a.max_size} "
