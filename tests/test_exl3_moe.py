@@ -103,6 +103,23 @@ def test_layout_uniform_rates():
         exl3_moe(x, ids, w, bad)
 
 
+def test_layout_packed_strides():
+    """With both rates uniform the decode kernels compute a matrix's place (packed_strides) instead of reading
+    offsets: the strides are those of plan's layout, and construction refuses offsets that are not (a reordered
+    layout) unless words13 / words2 are 0."""
+    for rates, hidden, inter in (((3, 3, 2), 128, 256), ((2.5, 2.5, 1.5), 256, 128), ((4, 4, 4), 5120, 1152)):
+        ex = ml.empty([rates] * 5, hidden, inter)
+        e_stride, m_stride = ml.packed_strides(ex.words13, ex.words2, hidden, inter)
+        assert torch.equal(ex.offsets, torch.arange(5)[:, None] * e_stride + torch.arange(3) * m_stride), rates
+        assert e_stride * 5 == ex.trellis.numel()
+    assert ml.packed_strides(48, 0, 128, 256) == ml.packed_strides(0, 32, 128, 256) == (0, 0)
+    ex = ml.empty([(3, 3, 2)] * 4, 128, 256)
+    reordered = ex.offsets.flip(0).contiguous()
+    with pytest.raises(ml.MoeLayoutError, match="offsets are not the packed layout moe_layout.plan makes"):
+        dataclasses.replace(ex, offsets=reordered)
+    assert dataclasses.replace(ex, offsets=reordered, words13=0, words2=0).words13 == 0
+
+
 @pytest.mark.parametrize(("mutate", "message"), [
     (lambda g, u, d: (random_layer(128, 128, 3, generator=None), u, d), "is 128x128, the layout expects 128x256"),
     (lambda g, u, d: (g, random_layer(128, 256, 4), d), "expert 0 up has K=4.0, the layout was planned with K=3.0"),
@@ -388,23 +405,28 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
 def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     """Layers whose gate/up (down) matrices share one rate run the 16-row kernels compiled for that rate alone in
     decode (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
-    kernels that dispatch on every expert's rate (TWINSPARK_EXL3_MOE_RATE_KERNELS=0) must agree with the
-    reference too. Model dimensions; decode (T=1, 4) and a routed call (T=17: the dispatching kernels either way)."""
+    kernels that dispatch on every expert's rate (TWINSPARK_EXL3_MOE_RATE_KERNELS=0), and the rate kernels reading
+    offsets instead of computing them (TWINSPARK_EXL3_MOE_PACKED=0), must agree with the reference too. Model dimensions; decode (T=1, 4) and a routed call (T=17: the dispatching kernels either way)."""
     monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
     ex = ml.random_experts(12, 5120, 1152, rates=[rates[e % len(rates)] for e in range(12)], codebook=codebook,
                            generator=gen)
     assert ex.words13 == ref.words_per_tile(rates[0][0])
     assert ex.words2 == (ref.words_per_tile(rates[0][2]) if len(rates) == 1 else 0)
     exd = ex.to(cuda)
+    # rate kernels (with both rates uniform: matrices placed by packed_strides), the same with offsets read, the
+    # dispatching kernels
+    configs = {"rate": ("1", "1"), "rate, offsets read": ("1", "0"), "dispatch": ("0", "1")}
     for T, top_k in ((1, 6), (4, 6), (17, 6)):
         x, ids, w = _inputs(gen, T, top_k, 12, 5120)
         outs = {}
-        for flag in ("1", "0"):
-            monkeypatch.setenv("TWINSPARK_EXL3_MOE_RATE_KERNELS", flag)
+        for name, (rate_kernels, packed) in configs.items():
+            monkeypatch.setenv("TWINSPARK_EXL3_MOE_RATE_KERNELS", rate_kernels)
+            monkeypatch.setenv("TWINSPARK_EXL3_MOE_PACKED", packed)
             got, want = _check_kernel(cuda, ex, exd, x, ids, w)
-            assert rel_l2(got, want) <= TOL, f"T={T} rate kernels {flag}"
-            outs[flag] = got
-        assert rel_l2(outs["1"], outs["0"]) <= 1e-3, f"T={T}"  # the same math; fp32 atomics land in any order
+            assert rel_l2(got, want) <= TOL, f"T={T} {name}"
+            outs[name] = got
+        for name in configs:  # the same math; fp32 atomics land in any order
+            assert rel_l2(outs[name], outs["rate"]) <= 1e-3, f"T={T} {name}"
 
 
 @pytest.mark.gpu

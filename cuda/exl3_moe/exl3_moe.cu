@@ -160,7 +160,10 @@ bool valid_args(const Exl3MoeArgs& a) {
          a.short_groups >= 0 && a.short_groups <= a.max_items * (a.I / 128) &&
          (a.short_groups == 0 || (a.mt == 1 && parts_nonempty(a.H / 128, a.splitk - 1))) &&
          (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3) && a.max_items <= 65535 &&
-         rate_words_ok(a.words13, a.max_words) && rate_words_ok(a.words2, a.max_words) && (a.mt == 1 || !a.early_down);
+         rate_words_ok(a.words13, a.max_words) && rate_words_ok(a.words2, a.max_words) &&
+         (a.mt == 1 || !a.early_down) &&
+         ((a.e_stride == 0 && a.m_stride == 0) ||
+          (a.words13 != 0 && a.words2 != 0 && a.m_stride > 0 && a.e_stride > 2 * a.m_stride));
 }
 
 }  // namespace
@@ -212,6 +215,8 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.trellis = a.trellis;
   gp.offsets = a.offsets;
   gp.words = a.words;
+  gp.e_stride = a.e_stride;
+  gp.m_stride = a.m_stride;
   gp.suh13 = static_cast<const __half*>(a.suh13);
   gp.svh13 = static_cast<const __half*>(a.svh13);
   gp.suh2 = static_cast<const __half*>(a.suh2);

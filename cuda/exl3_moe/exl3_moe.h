@@ -21,8 +21,10 @@
 //   act_counters), not for the whole gate/up grid.
 //   words13 / words2: 0, or the words per tile that EVERY gate and up (down) matrix of the layer has; mt = 1 then
 //   launches kernels compiled for that rate alone (a wrong value leaves those matrices out of the result: the host
-//   takes it from the layout that made `words`); pdl: the first GEMM (gate/up) is launched with programmatic
-//   dependent launch (scheduled while the kernel before it drains; it waits for that kernel before touching memory).
+//   takes it from the layout that made `words`); e_stride / m_stride: 0, or with both rates set where offsets are
+//   plan's packed layout, its strides (the rate kernels compute a matrix's start instead of loading it); pdl: the first
+//   GEMM (gate/up) is launched with programmatic dependent launch (scheduled while the kernel before it drains; it
+//   waits for that kernel before touching memory).
 // Launches: decode (small_route + fuse_convert): gate/up, down. Otherwise: route (+ zeroing), gate/up, down, convert.
 // No host sync: capturable in a CUDA graph.
 // mt = 1: the last gate/up block of each (item, 128 columns of I) makes down's fp16 activations for them
@@ -58,7 +60,10 @@ struct Exl3MoeArgs {
   void* out;
   int T, topk, E, H, I, first_expert, max_words, codebook;
   int words13, words2;  // 0, or the one words-per-tile value of every gate/up (down) matrix (rate kernels, mt = 1)
-  float limit;          // < 0: no clamp
+  int64_t e_stride, m_stride;  // 0, or (words13 and words2 set) offsets[e][mat] == e * e_stride + mat * m_stride for
+                               // every expert (the packed layout moe_layout.plan makes): the rate kernels then
+                               // compute a matrix's place instead of loading it
+  float limit;                 // < 0: no clamp
   bool x_bf16;
   int mt, splitk, max_items;
   int short_groups;     // mt == 1: (item, 128 columns of I) groups split into splitk - 1 parts instead of splitk

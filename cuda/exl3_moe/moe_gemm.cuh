@@ -50,6 +50,8 @@ struct GemmParams {
   const int16_t* trellis;
   const int64_t* offsets;
   const int32_t* words;
+  int64_t e_stride, m_stride;  // 0, or (packed layout, words13 and words2 set) offsets[e][mat] = e * e_stride +
+                               // mat * m_stride (Exl3MoeArgs)
   const __half* suh13;
   const __half* svh13;
   const __half* suh2;
@@ -990,8 +992,18 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
   const int mat = pc.mat, slice = pc.slice;
   const int kbs = (DOWN ? p.I : p.H) / 128, per = (kbs + pc.parts - 1) / pc.parts;
   const int kb0 = pc.part * per, kb1 = min(kbs, kb0 + per);
-  const int words = p.words[e * 3 + mat];  // both in flight over the row tables' barrier
-  const int16_t* tr = p.trellis + p.offsets[e * 3 + mat];
+  // The matrix's rate and trellis: read (both loads in flight over the row tables' barrier), or, in the one-rate
+  // kernels of a packed layout (e_stride != 0), known without a load: at one token that load was a cold round trip
+  // between routing and the first weight fetch of every block.
+  int words;
+  const int16_t* tr;
+  if (WORDS != 0 && p.e_stride != 0) {
+    words = WORDS;
+    tr = p.trellis + e * p.e_stride + mat * p.m_stride;
+  } else {
+    words = p.words[e * 3 + mat];
+    tr = p.trellis + p.offsets[e * 3 + mat];
+  }
   if constexpr (MT == 1 && WORDS != 0) {  // the one-rate kernels (prefetch_act_scales)
     if constexpr (DOWN) {
       stage_svh2(p, e, slice);  // committed with the ring's first k-block

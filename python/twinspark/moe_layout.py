@@ -28,7 +28,8 @@ Host-side fields (plain Python, so nothing on the op's path reads the device): `
 gate and up matrix / of every down matrix, or 0 where rates differ. ``empty`` (and so ``from_layers``) sets them
 from the plan; a nonzero value lets the decode kernels be the ones compiled for that rate alone (a fraction of
 the code and of the registers; cuda/exl3_moe/NOTES.md v15). Construction checks them against ``words`` (one read
-of it).
+of it) and, where both are set, ``offsets`` against the packed layout of ``plan`` (``packed_strides``: those kernels
+compute a matrix's place instead of loading it).
 
 Limits: H and I multiples of 128 (the Hadamard blocks; checkpoints pad to 128), no bias on experts.
 
@@ -88,6 +89,14 @@ class Exl3MoeExperts:
                 raise MoeLayoutError(f"moe layout: {name}={value} but not every {PROJ_NAMES[cols.start]}"
                                      f"{'/up' if name == 'words13' else ''} matrix has {value} words per tile; "
                                      f"pass 0 (rates differ) or build the experts with moe_layout.empty / from_layers")
+        e_stride, m_stride = packed_strides(self.words13, self.words2, self.hidden, self.inter)
+        if e_stride:
+            e = torch.arange(self.offsets.shape[0], dtype=torch.int64, device=self.offsets.device)[:, None]
+            packed = e * e_stride + torch.arange(3, dtype=torch.int64, device=self.offsets.device) * m_stride
+            if not torch.equal(self.offsets, packed):
+                raise MoeLayoutError("moe layout: words13 and words2 are set but the offsets are not the packed layout "
+                                     "moe_layout.plan makes for one rate (the decode kernels would compute them); "
+                                     "pass words13=words2=0 or build the experts with moe_layout.empty / from_layers")
 
     @property
     def num_experts(self) -> int:
@@ -159,6 +168,17 @@ def plan(rates: Sequence[Sequence[float]], hidden: int, inter: int) -> tuple[tor
         words.append(w_row)
     return (torch.tensor(offsets, dtype=torch.int64).reshape(-1, 3),
             torch.tensor(words, dtype=torch.int32).reshape(-1, 3), pos)
+
+
+def packed_strides(words13: int, words2: int, hidden: int, inter: int) -> tuple[int, int]:
+    """(e_stride, m_stride) with offsets[e, proj] == e * e_stride + proj * m_stride in the layout ``plan`` makes
+    when every gate/up matrix has words13 and every down matrix words2 words per tile; (0, 0) unless both are set.
+    Exl3MoeExperts checks its offsets against them; the decode kernels then compute a matrix's place."""
+    if not (words13 and words2):
+        return 0, 0
+    tiles = (hidden // 16) * (inter // 16)
+    s13, s2 = (-(-tiles * w // ALIGN) * ALIGN for w in (words13, words2))
+    return 2 * s13 + s2, s13
 
 
 def _check_dims(hidden: int, inter: int) -> None:

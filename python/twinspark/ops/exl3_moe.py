@@ -20,7 +20,7 @@ import torch
 
 from twinspark import _ext
 from twinspark.exl3.reference import CODEBOOKS, HALF_RATES, WHOLE_RATES, words_per_tile
-from twinspark.moe_layout import Exl3MoeExperts
+from twinspark.moe_layout import Exl3MoeExperts, packed_strides
 from twinspark.ops.workspace import capture_id, workspace
 from twinspark.reference import exl3_moe as _reference
 
@@ -213,6 +213,11 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     # TWINSPARK_EXL3_MOE_RATE_KERNELS=0: those everywhere (same-build A/B in bench_exl3_moe.py).
     if not cfg["small_route"] or not _switch("TWINSPARK_EXL3_MOE_RATE_KERNELS", True):
         words13 = words2 = 0
+    # Both rates uniform: the layout is plan's packed one (Exl3MoeExperts checks), so those kernels compute where a
+    # matrix starts instead of loading offsets[e] between routing and the first weight fetch (a cold round trip per
+    # block). TWINSPARK_EXL3_MOE_PACKED=0 loads it anyway (same-build A/B).
+    e_stride, m_stride = (packed_strides(words13, words2, hidden, svh13.shape[-1])
+                          if _switch("TWINSPARK_EXL3_MOE_PACKED", True) else (0, 0))
     capturing = capture_id(dev)
     pdl = gate_up_pdl(capturing != 0)
     if cfg["max_items"] > MAX_ITEMS:
@@ -238,7 +243,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
             cfg["small_route"], cfg["bytesum"], cfg["early_down"], pdl, _ext.stream_ptr(dev),
             0 if trace is None else trace.data_ptr(), 0 if residency is None else residency.data_ptr(),
-            cfg["smem_per_sm"], cfg["fit_smem"],
+            cfg["smem_per_sm"], cfg["fit_smem"], e_stride, m_stride,
         )
     return out
 
@@ -264,7 +269,8 @@ def _exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
               suh2: torch.Tensor, svh2: torch.Tensor, first_expert: int, max_words: int, words13: int, words2: int,
               codebook: str, activation: str, limit: float | None) -> torch.Tensor:
     # words13 / words2: Exl3MoeExperts' (0, or the rate every gate/up / down matrix has: the kernels then decode
-    # that rate only, so a wrong value drops the other matrices; Exl3MoeExperts checks them when built).
+    # that rate only, so a wrong value drops the other matrices; with both set they also take the offsets to be
+    # plan's packed layout. Exl3MoeExperts checks both when built).
     if _ext.use_kernel(x):
         return _kernel(x, topk_ids, topk_weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert,
                        max_words, words13, words2, codebook, limit)
