@@ -4,6 +4,7 @@ CUDA kernels against the reference (marker gpu: the kernel part skips with a rea
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
 from twinspark.ops import exl3_moe
 from twinspark.ops.exl3_moe import (
+    GATE_UP4_BLOCKS_PER_SM,
     GATE_UP_BLOCKS_PER_SM,
     RATE_WORDS,
     gate_up_pdl,
@@ -224,23 +226,23 @@ def test_bad_inputs(args, message, gen):
 
 def test_plan_launch_covers_every_item():
     """The item bound the grids cover is never below the item count of the worst routing: one row on each of
-    min(E, P) experts, the rest stacked into as many extra full items as they fill."""
-    for T in (1, 2, 3, 8, 17, 64, 512, 2048, 8192):
-        for top_k in (1, 6, 8):
-            for E in (1, 3, 384):
-                cfg = plan_launch(T, top_k, E, 5120, 1152, sms=132)
-                P, rows = T * top_k, 16 * cfg["mt"]
-                used = min(E, P)
-                assert cfg["max_items"] >= used + (P - used) // rows, (T, top_k, E, cfg)
-                kbs, s = 5120 // 128, cfg["splitk"]
-                assert 1 <= s <= kbs and (s - 1) * -(-kbs // s) < kbs, "an empty k-split part"
-                assert cfg["mt"] == 1 or P > 64
-                assert cfg["down_min_blocks"] in (2, 3)
-                groups, ns = cfg["max_items"] * (1152 // 128), cfg["short_groups"]
-                assert 0 <= ns <= groups and (ns == 0 or (cfg["mt"] == 1 and s >= 2)), cfg
-                if ns:  # the short groups' parts are whole too, and the mixed grid fits the SMs' gate/up slots
-                    assert (s - 2) * -(-kbs // (s - 1)) < kbs, cfg
-                    assert 2 * ns * (s - 1) + 2 * (groups - ns) * s <= GATE_UP_BLOCKS_PER_SM * 132, cfg
+    min(E, P) experts, the rest stacked into as many extra full items as they fill; for both gate/up sizings."""
+    for T, top_k, E, gub in itertools.product((1, 2, 3, 8, 17, 64, 512, 2048, 8192), (1, 6, 8), (1, 3, 384),
+                                               (GATE_UP_BLOCKS_PER_SM, GATE_UP4_BLOCKS_PER_SM)):
+        cfg = plan_launch(T, top_k, E, 5120, 1152, sms=132, gate_up_blocks=gub)
+        P, rows = T * top_k, 16 * cfg["mt"]
+        used = min(E, P)
+        assert cfg["max_items"] >= used + (P - used) // rows, (T, top_k, E, cfg)
+        kbs, s = 5120 // 128, cfg["splitk"]
+        assert 1 <= s <= kbs and (s - 1) * -(-kbs // s) < kbs, "an empty k-split part"
+        assert cfg["mt"] == 1 or P > 64
+        assert cfg["down_min_blocks"] in (2, 3)
+        assert cfg["gate_up_blocks"] == (gub if P <= 64 else GATE_UP_BLOCKS_PER_SM)
+        groups, ns = cfg["max_items"] * (1152 // 128), cfg["short_groups"]
+        assert 0 <= ns <= groups and (ns == 0 or (cfg["mt"] == 1 and s >= 2)), cfg
+        if ns:  # the short groups' parts are whole too, and the mixed grid fits the SMs' gate/up slots
+            assert (s - 2) * -(-kbs // (s - 1)) < kbs, cfg
+            assert 2 * ns * (s - 1) + 2 * (groups - ns) * s <= cfg["gate_up_blocks"] * 132, cfg
 
 
 def test_plan_launch_mixed_split_fills_the_gpu_at_one_token():
@@ -250,6 +252,19 @@ def test_plan_launch_mixed_split_fills_the_gpu_at_one_token():
     assert (cfg["splitk"], cfg["short_groups"], cfg["max_items"]) == (4, 18, 6)
     assert 2 * 18 * 3 + 2 * 36 * 4 == GATE_UP_BLOCKS_PER_SM * 132
     assert plan_launch(4, 6, 384, 5120, 1152, sms=132)["short_groups"] == 0  # already two waves
+
+
+def test_plan_launch_four_gate_up_blocks_per_sm():
+    """With mul1's one-rate gate/up kernels at 4 blocks per SM, T=1 splits 6 groups into 4 parts and 48 into 5:
+    exactly 528 resident blocks; from T=2 on the parts are those of 3 per SM. Any other sizing is refused."""
+    cfg = plan_launch(1, 6, 384, 5120, 1152, sms=132, gate_up_blocks=4)
+    assert (cfg["splitk"], cfg["short_groups"], cfg["gate_up_blocks"]) == (5, 6, 4)
+    assert 2 * 6 * 4 + 2 * 48 * 5 == 4 * 132
+    for T in (2, 4, 8):
+        three, four = (plan_launch(T, 6, 384, 5120, 1152, sms=132, gate_up_blocks=b) for b in (3, 4))
+        assert (four["splitk"], four["short_groups"]) == (three["splitk"], three["short_groups"]), T
+    with pytest.raises(ValueError, match="gate_up_blocks is 5, expected 3 or 4"):
+        plan_launch(1, 6, 384, 5120, 1152, sms=132, gate_up_blocks=5)
 
 
 def test_plan_launch_early_down_past_one_wave(monkeypatch):
@@ -405,23 +420,26 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
 def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     """Layers whose gate/up (down) matrices share one rate run the 16-row kernels compiled for that rate alone in
     decode (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
-    kernels that dispatch on every expert's rate (TWINSPARK_EXL3_MOE_RATE_KERNELS=0), and the rate kernels reading
-    offsets instead of computing them (TWINSPARK_EXL3_MOE_PACKED=0), must agree with the reference too. Model dimensions; decode (T=1, 4) and a routed call (T=17: the dispatching kernels either way)."""
+    kernels that dispatch on every expert's rate (TWINSPARK_EXL3_MOE_RATE_KERNELS=0), the rate kernels reading
+    offsets instead of computing them (TWINSPARK_EXL3_MOE_PACKED=0) and mul1's gate/up at 3 blocks per SM instead of
+    4 (TWINSPARK_EXL3_MOE_GATE_UP4=0) must agree with the reference too. Model dimensions; decode (T=1, 4) and a routed call (T=17: the dispatching kernels either way)."""
     monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
     ex = ml.random_experts(12, 5120, 1152, rates=[rates[e % len(rates)] for e in range(12)], codebook=codebook,
                            generator=gen)
     assert ex.words13 == ref.words_per_tile(rates[0][0])
     assert ex.words2 == (ref.words_per_tile(rates[0][2]) if len(rates) == 1 else 0)
     exd = ex.to(cuda)
-    # rate kernels (with both rates uniform: matrices placed by packed_strides), the same with offsets read, the
-    # dispatching kernels
-    configs = {"rate": ("1", "1"), "rate, offsets read": ("1", "0"), "dispatch": ("0", "1")}
+    # rate kernels (with both rates uniform: matrices placed by packed_strides; mul1: gate/up at 4 blocks per SM),
+    # the same with offsets read, at 3 gate/up blocks per SM, the dispatching kernels
+    configs = {"rate": ("1", "1", "1"), "rate, offsets read": ("1", "0", "1"), "rate, gate/up 3 per SM": ("1", "1", "0"),
+               "dispatch": ("0", "1", "1")}
     for T, top_k in ((1, 6), (4, 6), (17, 6)):
         x, ids, w = _inputs(gen, T, top_k, 12, 5120)
         outs = {}
-        for name, (rate_kernels, packed) in configs.items():
+        for name, (rate_kernels, packed, gate_up4) in configs.items():
             monkeypatch.setenv("TWINSPARK_EXL3_MOE_RATE_KERNELS", rate_kernels)
             monkeypatch.setenv("TWINSPARK_EXL3_MOE_PACKED", packed)
+            monkeypatch.setenv("TWINSPARK_EXL3_MOE_GATE_UP4", gate_up4)
             got, want = _check_kernel(cuda, ex, exd, x, ids, w)
             assert rel_l2(got, want) <= TOL, f"T={T} {name}"
             outs[name] = got
@@ -636,11 +654,12 @@ def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_kernel_decode_residency(gen, cuda):
-    """The decode kernels get the residency they are sized for, before and after calls: gate/up 3 blocks per SM (80
-    registers), down at one token 2 (its shared memory padded so a third does not fit; NOTES.md v17: a first launch
-    whose occupancy query ran before the shared-memory attribute was raised saw no block, left the padding out, and
-    the remembered size kept the down kernel at 3 per SM, T=1 +10%). The model's dimensions, a few experts."""
+def test_kernel_decode_residency(gen, cuda, monkeypatch):
+    """The decode kernels get the residency they are sized for, before and after calls: gate/up 4 blocks per SM (mul1,
+    one rate: 64 registers; 3, 80 registers, with TWINSPARK_EXL3_MOE_GATE_UP4=0), down at one token 2 (its shared
+    memory padded so a third does not fit; NOTES.md v17: a first launch whose occupancy query ran before the
+    shared-memory attribute was raised saw no block, left the padding out, and the remembered size kept the down
+    kernel at 3 per SM, T=1 +10%). The model's dimensions, a few experts."""
     E = 8
     ex = ml.empty([(3, 3, 3)] * E, 5120, 1152, device=cuda)
     ex.trellis.random_(-32768, 32768, generator=None)
@@ -649,14 +668,17 @@ def test_kernel_decode_residency(gen, cuda):
     x, ids, w = (t.to(cuda) for t in _inputs(gen, 1, 6, E, 5120))
     assert plan_launch(1, 6, E, 5120, 1152, torch.cuda.get_device_properties(cuda).multi_processor_count)[
         "down_min_blocks"] == 2
-    seen = [kernel_residency(x, ids, w, ex)]
-    exl3_moe(x, ids, w, ex)
-    torch.cuda.synchronize()
-    seen.append(kernel_residency(x, ids, w, ex))
-    if torch.cuda.get_device_capability(cuda) == (9, 0):  # 228 KB of shared memory per SM
-        assert seen == [(3, 2), (3, 2)], seen
-    else:  # GB10 (100 KB per SM): shared memory allows fewer; never more than the sizing
-        assert all(1 <= g <= 3 and 1 <= d <= 2 for g, d in seen), seen
+    for gate_up4, sized in (("1", 4), ("0", 3)):
+        monkeypatch.setenv("TWINSPARK_EXL3_MOE_GATE_UP4", gate_up4)
+        seen = [kernel_residency(x, ids, w, ex)]
+        got = exl3_moe(x, ids, w, ex)
+        torch.cuda.synchronize()
+        assert torch.isfinite(got.float()).all()
+        seen.append(kernel_residency(x, ids, w, ex))
+        if torch.cuda.get_device_capability(cuda) == (9, 0):  # 228 KB of shared memory per SM
+            assert seen == [(sized, 2), (sized, 2)], (gate_up4, seen)
+        else:  # GB10 (100 KB per SM): shared memory allows fewer; never more than the sizing
+            assert all(1 <= g <= 3 and 1 <= d <= 2 for g, d in seen), (gate_up4, seen)
 
 
 @pytest.mark.gpu
@@ -665,7 +687,8 @@ def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
     """Sized and held as on GB10 (100 KB of shared memory per SM): with the A region fitted, gate/up keeps 3 blocks
     per SM and the one-token down kernel 2 (K=3; 1 and 1 with the full region), and every path still matches the
     reference with the smaller region, where pieces build A in several chunks: one token, 4-row byte-sum items,
-    items of 5-16 rows (fp16 decode), duplicate ids, mixed rates up to K=8, a 64-row prefill call."""
+    items of 5-16 rows (fp16 decode), duplicate ids, mixed rates up to K=8, a 64-row prefill call, a one-rate K=2
+    layer (mul1's gate/up kernel sized for 4 per SM where it fits)."""
     monkeypatch.setenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM", str(GB10_SMEM))
     monkeypatch.setenv("TWINSPARK_EXL3_MOE_FIT_SMEM", fit)
     E = 8
@@ -689,6 +712,16 @@ def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
             ids[0, :3] = ids[0, 3]  # duplicate ids in a row
         got, want = _check_kernel(cuda, ex, exd, x, ids, w)
         assert rel_l2(got, want) <= TOL, f"T={T} mixed rates"
+    # K=2, one rate: there mul1's 4-per-SM gate/up kernel may fit with a 2-k-block A region (x' in several chunks per
+    # piece); whichever sizing the query picks must match the reference
+    ex = ml.random_experts(E, 5120, 1152, rates=[(2, 2, 2)] * E, codebook="mul1", generator=gen)
+    exd = ex.to(cuda)
+    for T in (1, 4):
+        x, ids, w = _inputs(gen, T, 6, E, 5120)
+        seen = kernel_residency(x.to(cuda), ids.to(cuda), w.to(cuda), exd)
+        assert 1 <= seen[0] <= 4 and 1 <= seen[1] <= 3, seen
+        got, want = _check_kernel(cuda, ex, exd, x, ids, w)
+        assert rel_l2(got, want) <= TOL, f"K=2 T={T} residency {seen}"
 
 
 @pytest.mark.gpu

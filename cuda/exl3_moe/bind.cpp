@@ -32,7 +32,8 @@ void bind_exl3_moe(py::module_& m) {
          int E, int H, int I, int first_expert, int max_words, int words13, int words2, int codebook, float limit,
          bool x_bf16, int mt, int splitk, int short_groups, int max_items, int down_min_blocks, bool fuse_convert,
          bool small_route, bool bytesum, bool early_down, bool pdl, std::uintptr_t stream, std::uintptr_t trace,
-         std::uintptr_t residency, int smem_per_sm, bool fit_smem, int64_t e_stride, int64_t m_stride) {
+         std::uintptr_t residency, int smem_per_sm, bool fit_smem, int64_t e_stride, int64_t m_stride,
+         int gate_up_min_blocks) {
         using twinspark::ptr;
         twinspark::Exl3MoeArgs a{};
         a.x = ptr<const void>(x);
@@ -60,6 +61,7 @@ void bind_exl3_moe(py::module_& m) {
         a.words2 = words2;
         a.e_stride = e_stride;
         a.m_stride = m_stride;
+        a.gate_up_min_blocks = gate_up_min_blocks;
         a.codebook = codebook;
         a.limit = limit;
         a.x_bf16 = x_bf16;
@@ -87,7 +89,10 @@ void bind_exl3_moe(py::module_& m) {
       py::arg("max_items"), py::arg("down_min_blocks"), py::arg("fuse_convert"), py::arg("small_route"),
       py::arg("bytesum"), py::arg("early_down"), py::arg("pdl"), py::arg("stream"), py::arg("trace") = 0,
       py::arg("residency") = 0, py::arg("smem_per_sm") = 0, py::arg("fit_smem") = true, py::arg("e_stride") = 0,
-      py::arg("m_stride") = 0);
+      py::arg("m_stride") = 0, py::arg("gate_up_min_blocks") = 3);
+  m.def("exl3_moe_gate_up4_blocks", &twinspark::exl3_moe_gate_up4_blocks, py::arg("words13"), py::arg("smem_per_sm"),
+        py::arg("fit_smem"),
+        "blocks per SM the 4-per-SM mul1 gate/up kernel of that rate gets on the current device (-1: no such kernel)");
   m.def("exl3_moe_a_bytes", &twinspark::exl3_moe_a_bytes, py::arg("down"), py::arg("max_words"),
         py::arg("static_bytes"), py::arg("reserved"), py::arg("per_sm"), py::arg("blocks"),
         "bytes of the A region a 16-row exl3_moe kernel launches with where `blocks` of it must fit per SM (-1: "

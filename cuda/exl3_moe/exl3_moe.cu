@@ -159,7 +159,8 @@ bool valid_args(const Exl3MoeArgs& a) {
          parts_nonempty(a.H / 128, a.splitk) && (a.mt != 1 || a.act_counters) && (a.mt == 1 || a.splitk == 1) &&
          a.short_groups >= 0 && a.short_groups <= a.max_items * (a.I / 128) &&
          (a.short_groups == 0 || (a.mt == 1 && parts_nonempty(a.H / 128, a.splitk - 1))) &&
-         (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3) && a.max_items <= 65535 &&
+         (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3) &&
+         (a.mt != 1 || a.gate_up_min_blocks == 3 || a.gate_up_min_blocks == 4) && a.max_items <= 65535 &&
          rate_words_ok(a.words13, a.max_words) && rate_words_ok(a.words2, a.max_words) &&
          (a.mt == 1 || !a.early_down) &&
          ((a.e_stride == 0 && a.m_stride == 0) ||
@@ -172,6 +173,22 @@ int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, i
   if (max_words < 16 || max_words > 128 || static_bytes < 0 || reserved < 0 || per_sm <= 0 || blocks < 1) return -1;
   const size_t ring = moe::gemm_smem_bytes(1, down, max_words) - moe::a_region_bytes(down);
   return moe::fit_a_bytes(moe::a_region_bytes(down), ring, static_bytes, reserved, per_sm, blocks);
+}
+
+int exl3_moe_gate_up4_blocks(int words13, int smem_per_sm, bool fit_smem) {
+  if (words13 == 0 || !rate_words_ok(words13, words13) || smem_per_sm < 0) return -1;
+  moe::GemmParams gp{};
+  int blocks = 0;
+  gp.residency = &blocks;
+  gp.gate_up_min_blocks = 4;
+  gp.smem_per_sm = smem_per_sm;
+  gp.fit_smem = fit_smem;
+  const cudaError_t err = moe::launch_moe_gemm<exl3::kCbMul1>(gp, false, 1, 1, words13, words13, nullptr);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return blocks;
 }
 
 cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
@@ -246,6 +263,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.short_groups = a.short_groups;
   gp.fuse_convert = a.fuse_convert;
   gp.down_min_blocks = a.down_min_blocks;
+  gp.gate_up_min_blocks = a.gate_up_min_blocks;
   gp.bytesum = a.bytesum;
   gp.early_down = a.early_down;
   gp.pdl_gate_up = a.pdl;

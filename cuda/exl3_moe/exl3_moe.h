@@ -66,10 +66,12 @@ struct Exl3MoeArgs {
   float limit;                 // < 0: no clamp
   bool x_bf16;
   int mt, splitk, max_items;
-  int short_groups;     // mt == 1: (item, 128 columns of I) groups split into splitk - 1 parts instead of splitk
-  int down_min_blocks;  // mt == 1: the down kernel sized for 2 or 3 blocks per SM
-  bool bytesum;         // mt == 1, mul1: items of <= 4 rows use the byte-sum mma (moe_gemm.cuh); false: fp16 decode
-  bool early_down;      // mt == 1: a down block starts once its item's activations are made (not all of gate/up)
+  int short_groups;        // mt == 1: (item, 128 columns of I) groups split into splitk - 1 parts instead of splitk
+  int down_min_blocks;     // mt == 1: the down kernel sized for 2 or 3 blocks per SM
+  int gate_up_min_blocks;  // mt == 1: the gate/up kernel sized for 3 or 4 blocks per SM (4: mul1 one-rate kernels
+                           // only; the others keep 3)
+  bool bytesum;            // mt == 1, mul1: items of <= 4 rows use the byte-sum mma (moe_gemm.cuh); false: fp16 decode
+  bool early_down;         // mt == 1: a down block starts once its item's activations are made (not all of gate/up)
   bool fuse_convert;
   bool small_route;  // T*topk <= 64 and mt == 1: the GEMM blocks route in shared memory (no routing launch)
   bool pdl;          // the call's first GEMM (gate/up) may be scheduled while the kernel before it on the stream
@@ -99,5 +101,10 @@ cudaError_t exl3_moe(const Exl3MoeArgs& args, cudaStream_t stream);
 // per SM must fit in per_sm bytes of shared memory, beside static_bytes of static and `reserved` per block
 // (moe_gemm.cuh fit_a_bytes); -1 for arguments out of range. Host only (tests, the GB10 sizing in NOTES.md v18).
 int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, int per_sm, int blocks);
+
+// Blocks per SM the mul1 gate/up kernel of rate words13 sized for 4 per SM (64 registers) gets on the current device,
+// its shared memory sized as a launch sizes it (smem_per_sm / fit_smem as in Exl3MoeArgs); nothing launches. The
+// host plans for 4 gate/up blocks per SM where this is 4 (ops/exl3_moe.py); -1 for a words13 with no kernel.
+int exl3_moe_gate_up4_blocks(int words13, int smem_per_sm, bool fit_smem);
 
 }  // namespace twinspark

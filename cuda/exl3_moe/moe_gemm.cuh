@@ -76,6 +76,7 @@ struct GemmParams {
   int short_groups;  // 16-row gate/up: (item, 128 columns of I) groups, in order, split into splitk - 1 parts; 0: none
   bool fuse_convert;
   int down_min_blocks;        // host side: the 16-row down kernel's variant, sized for 2 or 3 blocks per SM
+  int gate_up_min_blocks;     // host side: the 16-row gate/up kernel sized for 3 or (mul1, one rate) 4 per SM
   bool bytesum;               // mul1, 16-row items of <= 4 rows: the byte-sum mma (gemm_body_bytes)
   bool early_down;            // 16-row items: a down block starts its item once that item's activations are made
                               // (wait_act), not when the whole gate/up grid is done
@@ -942,8 +943,9 @@ __device__ __forceinline__ Piece gate_up_piece(const GemmParams& p) {
   return Piece{item, j & 1, g - item * slices, part, parts};
 }
 
-// MINB: blocks per SM the registers are sized for. Gate/up of 16-row items 3 (80 registers); down of 16-row items 2
-// (104 registers) or 3 (80), chosen by the plan (python: plan_launch); 64-row items 2. WORDS: 0, or the one rate of
+// MINB: blocks per SM the registers are sized for. Gate/up of 16-row items 3 (80 registers), or 4 (64 registers) for
+// mul1's one-rate kernels where the device holds 4 (python: _gate_up_blocks); down of 16-row items 2 (104 registers)
+// or 3 (80), chosen by the plan (python: plan_launch); 64-row items 2. WORDS: 0, or the one rate of
 // every matrix the kernel decodes (dispatch_rate).
 template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0>
 __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
@@ -1150,10 +1152,18 @@ cudaError_t launch_one(const GemmParams& params, int max_items, int max_words, c
   return cudaGetLastError();
 }
 
-// 16-row items: the three kernels (gate/up; down at 2 or 3 blocks per SM) for rate WORDS (0: every rate).
+// 16-row items: the kernels (gate/up at 3 blocks per SM, or 4 for mul1's one-rate kernels; down at 2 or 3) for rate
+// WORDS (0: every rate). The 4-per-SM gate/up (64 registers: no spills on sm_90a up to K=7, 8 B at K=8; its K=3 loop
+// 302 instructions per k-block against 298) won everywhere in decode on the H200 (cuda/exl3_moe/NOTES.md v21 item 5);
+// the other codebooks and the dispatching kernels keep 3 (not measured at 4; fewer instantiations).
 template <int CB, int WORDS>
 cudaError_t launch_decode(const GemmParams& p, bool down, int max_items, int max_words, cudaStream_t stream) {
-  if (!down) return launch_one<CB, 1, false, 3, WORDS>(p, max_items, max_words, stream);
+  if (!down) {
+    if constexpr (CB == exl3::kCbMul1 && WORDS != 0) {
+      if (p.gate_up_min_blocks == 4) return launch_one<CB, 1, false, 4, WORDS>(p, max_items, max_words, stream);
+    }
+    return launch_one<CB, 1, false, 3, WORDS>(p, max_items, max_words, stream);
+  }
   return p.down_min_blocks == 3 ? launch_one<CB, 1, true, 3, WORDS>(p, max_items, max_words, stream)
                                 : launch_one<CB, 1, true, 2, WORDS>(p, max_items, max_words, stream);
 }

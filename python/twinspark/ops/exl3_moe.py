@@ -35,6 +35,7 @@ MAX_ITEMS = 65535  # the kernels' grid y / z extent (exl3_moe.h)
 # or not) to the H200's 228 KB
 SMEM_PER_SM_RANGE = (100 * 1024, 228 * 1024)
 GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers x 256 threads; moe_gemm.cuh MINB)
+GATE_UP4_BLOCKS_PER_SM = 4  # mul1's one-rate gate/up kernels sized for 4 (64 registers), where the device holds 4
 
 
 def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, limit) -> None:
@@ -97,10 +98,26 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int) -> dict:
+@functools.cache
+def _gate_up_blocks(index: int, words13: int, smem_per_sm: int, fit_smem: bool) -> int:
+    """Decode gate/up blocks per SM for a mul1 layer whose gate/up matrices all have words13 words per tile: 4 where
+    device `index` (current) holds 4 of the kernels sized for that (64 registers; the H200: every rate but K=8 without
+    spills), else 3. H200, same build, 4 against 3 (bench/results/exl3_moe_v26_gate_up4_h200.log): T=1 -0.8 / -1.4 /
+    -1.6% at K=2/3/4, T=2 -2.3 / -5.5 / -5.0%, T=4 -2.1 / -4.0 / -4.2%, T=8 -1.8 / -2.8 / -2.4%. GB10 (100 KB of
+    shared memory per SM) holds 3 at most: TWINSPARK_EXL3_MOE_SMEM_PER_SM sizes the query as there."""
+    return (GATE_UP4_BLOCKS_PER_SM if _ext.module().exl3_moe_gate_up4_blocks(words13, smem_per_sm, fit_smem)
+            >= GATE_UP4_BLOCKS_PER_SM else GATE_UP_BLOCKS_PER_SM)
+
+
+def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int,
+                gate_up_blocks: int = GATE_UP_BLOCKS_PER_SM) -> dict:
     """Kernel configuration from shapes only (never from device data): rows per item (16 * mt), gate/up split-k,
     the bound on items the grids cover, whether the down kernel converts the output itself, and the blocks per SM
-    the 16-row down kernel is sized for."""
+    the 16-row down kernel is sized for. gate_up_blocks: the decode gate/up kernel's blocks per SM (3, or 4 for
+    mul1's one-rate kernels where the device holds 4: _gate_up_blocks)."""
+    if gate_up_blocks not in (GATE_UP_BLOCKS_PER_SM, GATE_UP4_BLOCKS_PER_SM):
+        raise ValueError(f"plan_launch: gate_up_blocks is {gate_up_blocks}, expected {GATE_UP_BLOCKS_PER_SM} or "
+                         f"{GATE_UP4_BLOCKS_PER_SM} (the gate/up kernels' sizings)")
     pairs = T * top_k
     decode = pairs <= DECODE_MAX_PAIRS
     # 64-row items once experts average more than 16 rows (prefill); 16-row items otherwise and always in decode
@@ -113,21 +130,25 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # (bench/results/exl3_moe_v21_split_h200.log, same build, forced 3 / 2 parts): 2 parts 1.2-2.5% faster at T=3-6 for
     # K=2/3/4 (T=4 K=3: 119.3 vs 121.0 us); K=3 sweep: T=2 3 parts (67.8 vs 69.3 at 2), T=1 the mixed 3/4 split below.
     # (Before that build 3 parts held to ~4 blocks per SM: T=4 tied, exl3_moe_v18_plan_sweep_h200.log.)
+    # With 4 gate/up blocks per SM and the unsplit grid at most one per SM (T=1): 4 parts (then 4 and 5, below).
     blocks = max(1, min(pairs, num_experts)) * 2 * (inter // 128)
-    splitk = min(kblocks, 3 if blocks <= 2 * sms else 2) if decode else 1
+    base = gate_up_blocks if blocks <= sms else 3 if blocks <= 2 * sms else 2
+    splitk = min(kblocks, base) if decode else 1
     forced = os.environ.get("TWINSPARK_EXL3_MOE_SPLITK", "")  # benchmark sweeps (bench_exl3_moe.py --sweep)
     if decode and forced:
         splitk = max(1, min(kblocks, int(forced)))
     splitk = _whole_parts(kblocks, splitk)
-    # Decode: where the split leaves gate/up block slots empty (GATE_UP_BLOCKS_PER_SM per SM), as many (item,
+    # Decode: where the split leaves gate/up block slots empty (gate_up_blocks per SM), as many (item,
     # 128 columns) groups as fill them take one part more; the kernel starts the larger pieces first, one per SM
     # (T=1 at 5120/1152 on 132 SMs: 18 groups in 3 parts and 36 in 4 = 396 blocks; at most 34 k-blocks per SM
     # instead of 42). H200, same-run A/B (exl3_moe_v16_mixed_split_ab_h200.log): T=1 -6.1 / -4.4..5.2 / -3.1% at
-    # K=2/3/4. A forced split stays uniform. (Sized for 4 blocks per SM, 64 registers, with 4 and 5 parts: K=2/3
-    # 1-2% faster at T >= 2 but K=4 T=1 +10%: exl3_moe_gate_up4_k4_check_ab_h200.log; not kept.)
+    # K=2/3/4. A forced split stays uniform. At 4 per SM (mul1 one-rate kernels): 12 groups in 4 parts, 96 in 5 =
+    # 528 blocks, at most 34 k-blocks per SM with pieces of 8-10.
+    # (Sized for 4 blocks per SM on the fp16 decode, v10: K=4 T=1 +10%; on the byte-sum one-rate kernels, v21:
+    # faster everywhere in decode, exl3_moe_v26_gate_up4_h200.log.)
     short_groups = 0
     groups = max_items * (inter // 128)
-    room = GATE_UP_BLOCKS_PER_SM * sms - 2 * groups * splitk
+    room = gate_up_blocks * sms - 2 * groups * splitk
     if decode and not forced and room >= 2 and _whole_parts(kblocks, splitk + 1) == splitk + 1:
         long_groups = min(groups, room // 2)
         splitk, short_groups = splitk + 1, groups - long_groups
@@ -153,7 +174,7 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # smaller one (moe_gemm.cuh fit_a_bytes). TWINSPARK_EXL3_MOE_SMEM_PER_SM=<bytes> sizes and holds the kernels as on
     # a device with that much (GB10: 102400) on this one; TWINSPARK_EXL3_MOE_FIT_SMEM=0 keeps the full region (A/B).
     return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
-                small_route=decode, down_min_blocks=down_min_blocks, bytesum=bytesum, early_down=early_down,
+                small_route=decode, down_min_blocks=down_min_blocks, gate_up_blocks=gate_up_blocks if decode else 3, bytesum=bytesum, early_down=early_down,
                 smem_per_sm=smem_per_sm_override(), fit_smem=_switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
 
 
@@ -205,14 +226,20 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
         return out
     dev = x.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index))
+    decode = T * top_k <= DECODE_MAX_PAIRS
     # Uniform rates, decode (<= DECODE_MAX_PAIRS pairs): the 16-row kernels compiled for that rate alone. H200, same
     # build (cuda/exl3_moe/NOTES.md v15): T=1 -2.3 / -1.7 / -4.5% at K=2/3/4, T=4 -2.9 / 0 / -2.6%; past decode K=3
     # lost (T=32 +2.2%, T=512 +3.0%), so routed calls keep the kernels that dispatch on every expert's rate. Re-measured
     # after the cheaper tile copies (v16 item 5): T=1 +0.6 / -2.5 / -1.9%, T=2 -1.2 / -2.4 / -2.3%, T=4-8 within 1.2%.
     # TWINSPARK_EXL3_MOE_RATE_KERNELS=0: those everywhere (same-build A/B in bench_exl3_moe.py).
-    if not cfg["small_route"] or not _switch("TWINSPARK_EXL3_MOE_RATE_KERNELS", True):
+    if not decode or not _switch("TWINSPARK_EXL3_MOE_RATE_KERNELS", True):
         words13 = words2 = 0
+    gate_up_blocks = GATE_UP_BLOCKS_PER_SM
+    if codebook == "mul1" and words13 and _switch("TWINSPARK_EXL3_MOE_GATE_UP4", True):
+        with torch.cuda.device(index):
+            gate_up_blocks = _gate_up_blocks(index, words13, smem_per_sm_override(),
+                                             _switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
+    cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index), gate_up_blocks)
     # Both rates uniform: the layout is plan's packed one (Exl3MoeExperts checks), so those kernels compute where a
     # matrix starts instead of loading offsets[e] between routing and the first weight fetch (a cold round trip per
     # block). TWINSPARK_EXL3_MOE_PACKED=0 loads it anyway (same-build A/B).
@@ -243,7 +270,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
             cfg["small_route"], cfg["bytesum"], cfg["early_down"], pdl, _ext.stream_ptr(dev),
             0 if trace is None else trace.data_ptr(), 0 if residency is None else residency.data_ptr(),
-            cfg["smem_per_sm"], cfg["fit_smem"], e_stride, m_stride,
+            cfg["smem_per_sm"], cfg["fit_smem"], e_stride, m_stride, cfg["gate_up_blocks"],
         )
     return out
 
