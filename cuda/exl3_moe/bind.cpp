@@ -90,8 +90,8 @@ void bind_exl3_moe(py::module_& m) {
       py::arg("bytesum"), py::arg("early_down"), py::arg("pdl"), py::arg("stream"), py::arg("trace") = 0,
       py::arg("residency") = 0, py::arg("smem_per_sm") = 0, py::arg("fit_smem") = true, py::arg("e_stride") = 0,
       py::arg("m_stride") = 0, py::arg("gate_up_min_blocks") = 3);
-  m.def("exl3_moe_gate_up4_blocks", &twinspark::exl3_moe_gate_up4_blocks, py::arg("words13"), py::arg("smem_per_sm"),
-        py::arg("fit_smem"),
+  m.def("exl3_moe_gate_up4_blocks", &twinspark::exl3_moe_gate_up4_blocks, py::arg("words13"), py::arg("max_words"),
+        py::arg("smem_per_sm"), py::arg("fit_smem"),
         "blocks per SM the 4-per-SM mul1 gate/up kernel of that rate gets on the current device (-1: no such kernel)");
   m.def("exl3_moe_a_bytes", &twinspark::exl3_moe_a_bytes, py::arg("down"), py::arg("max_words"),
         py::arg("static_bytes"), py::arg("reserved"), py::arg("per_sm"), py::arg("blocks"),

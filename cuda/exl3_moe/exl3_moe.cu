@@ -175,15 +175,15 @@ int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, i
   return moe::fit_a_bytes(moe::a_region_bytes(down), ring, static_bytes, reserved, per_sm, blocks);
 }
 
-int exl3_moe_gate_up4_blocks(int words13, int smem_per_sm, bool fit_smem) {
-  if (words13 == 0 || !rate_words_ok(words13, words13) || smem_per_sm < 0) return -1;
+int exl3_moe_gate_up4_blocks(int words13, int max_words, int smem_per_sm, bool fit_smem) {
+  if (words13 == 0 || !rate_words_ok(words13, max_words) || max_words > 128 || smem_per_sm < 0) return -1;
   moe::GemmParams gp{};
   int blocks = 0;
   gp.residency = &blocks;
   gp.gate_up_min_blocks = 4;
   gp.smem_per_sm = smem_per_sm;
   gp.fit_smem = fit_smem;
-  const cudaError_t err = moe::launch_moe_gemm<exl3::kCbMul1>(gp, false, 1, 1, words13, words13, nullptr);
+  const cudaError_t err = moe::launch_moe_gemm<exl3::kCbMul1>(gp, false, 1, 1, max_words, words13, nullptr);
   if (err != cudaSuccess) {
     cudaGetLastError();
     return -1;

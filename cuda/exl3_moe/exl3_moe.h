@@ -103,8 +103,9 @@ cudaError_t exl3_moe(const Exl3MoeArgs& args, cudaStream_t stream);
 int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, int per_sm, int blocks);
 
 // Blocks per SM the mul1 gate/up kernel of rate words13 sized for 4 per SM (64 registers) gets on the current device,
-// its shared memory sized as a launch sizes it (smem_per_sm / fit_smem as in Exl3MoeArgs); nothing launches. The
-// host plans for 4 gate/up blocks per SM where this is 4 (ops/exl3_moe.py); -1 for a words13 with no kernel.
-int exl3_moe_gate_up4_blocks(int words13, int smem_per_sm, bool fit_smem);
+// its shared memory sized as a launch of a layer with max_words sizes it (the trellis ring holds max_words per tile;
+// smem_per_sm / fit_smem as in Exl3MoeArgs); nothing launches. The host plans for 4 gate/up blocks per SM where this
+// is 4 (ops/exl3_moe.py); -1 for a words13 with no kernel or out of max_words.
+int exl3_moe_gate_up4_blocks(int words13, int max_words, int smem_per_sm, bool fit_smem);
 
 }  // namespace twinspark
