@@ -422,7 +422,8 @@ def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     decode (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
     kernels that dispatch on every expert's rate (TWINSPARK_EXL3_MOE_RATE_KERNELS=0), the rate kernels reading
     offsets instead of computing them (TWINSPARK_EXL3_MOE_PACKED=0) and mul1's gate/up at 3 blocks per SM instead of
-    4 (TWINSPARK_EXL3_MOE_GATE_UP4=0) must agree with the reference too. Model dimensions; decode (T=1, 4) and a routed call (T=17: the dispatching kernels either way)."""
+    4 (TWINSPARK_EXL3_MOE_GATE_UP4=0) must agree with the reference too. Model dimensions; decode (T=1, 4) and a
+    routed call (T=17: the dispatching kernels either way)."""
     monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
     ex = ml.random_experts(12, 5120, 1152, rates=[rates[e % len(rates)] for e in range(12)], codebook=codebook,
                            generator=gen)
@@ -431,8 +432,8 @@ def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     exd = ex.to(cuda)
     # rate kernels (with both rates uniform: matrices placed by packed_strides; mul1: gate/up at 4 blocks per SM),
     # the same with offsets read, at 3 gate/up blocks per SM, the dispatching kernels
-    configs = {"rate": ("1", "1", "1"), "rate, offsets read": ("1", "0", "1"), "rate, gate/up 3 per SM": ("1", "1", "0"),
-               "dispatch": ("0", "1", "1")}
+    configs = {"rate": ("1", "1", "1"), "rate, offsets read": ("1", "0", "1"),
+               "rate, gate/up 3 per SM": ("1", "1", "0"), "dispatch": ("0", "1", "1")}
     for T, top_k in ((1, 6), (4, 6), (17, 6)):
         x, ids, w = _inputs(gen, T, top_k, 12, 5120)
         outs = {}
@@ -678,7 +679,12 @@ def test_kernel_decode_residency(gen, cuda, monkeypatch):
         if torch.cuda.get_device_capability(cuda) == (9, 0):  # 228 KB of shared memory per SM
             assert seen == [(sized, 2), (sized, 2)], (gate_up4, seen)
         else:  # GB10 (100 KB per SM): shared memory allows fewer; never more than the sizing
-            assert all(1 <= g <= 3 and 1 <= d <= 2 for g, d in seen), (gate_up4, seen)
+            assert all(1 <= g <= sized and 1 <= d <= 2 for g, d in seen), (gate_up4, seen)
+    # the query behind the choice: the 4-per-SM kernel's residency, nothing launched; -1 where no such kernel exists
+    C = _ext.module()
+    assert C.exl3_moe_gate_up4_blocks(0, 48, 0, True) == C.exl3_moe_gate_up4_blocks(48, 32, 0, True) == -1
+    if torch.cuda.get_device_capability(cuda) == (9, 0):
+        assert C.exl3_moe_gate_up4_blocks(48, 48, 0, True) == 4
 
 
 @pytest.mark.gpu

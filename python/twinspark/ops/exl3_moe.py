@@ -175,7 +175,9 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # smaller one (moe_gemm.cuh fit_a_bytes). TWINSPARK_EXL3_MOE_SMEM_PER_SM=<bytes> sizes and holds the kernels as on
     # a device with that much (GB10: 102400) on this one; TWINSPARK_EXL3_MOE_FIT_SMEM=0 keeps the full region (A/B).
     return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
-                small_route=decode, down_min_blocks=down_min_blocks, gate_up_blocks=gate_up_blocks if decode else 3, bytesum=bytesum, early_down=early_down,
+                small_route=decode, down_min_blocks=down_min_blocks,
+                gate_up_blocks=gate_up_blocks if decode else GATE_UP_BLOCKS_PER_SM, bytesum=bytesum,
+                early_down=early_down,
                 smem_per_sm=smem_per_sm_override(), fit_smem=_switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
 
 
