@@ -1153,9 +1153,10 @@ cudaError_t launch_one(const GemmParams& params, int max_items, int max_words, c
 }
 
 // 16-row items: the kernels (gate/up at 3 blocks per SM, or 4 for mul1's one-rate kernels; down at 2 or 3) for rate
-// WORDS (0: every rate). The 4-per-SM gate/up (64 registers: no spills on sm_90a up to K=7, 8 B at K=8; its K=3 loop
-// 302 instructions per k-block against 298) won everywhere in decode on the H200 (cuda/exl3_moe/NOTES.md v21 item 5);
-// the other codebooks and the dispatching kernels keep 3 (not measured at 4; fewer instantiations).
+// WORDS (0: every rate). The 4-per-SM gate/up (64 registers: no spills on sm_90a up to K=7, 8 B at K=8, none on
+// sm_121a; its K=3 loop 302 instructions per k-block against 298) won everywhere in decode on the H200
+// (cuda/exl3_moe/NOTES.md v21 item 5); the other codebooks and the dispatching kernels keep 3 (not measured at 4; fewer
+// instantiations).
 template <int CB, int WORDS>
 cudaError_t launch_decode(const GemmParams& p, bool down, int max_items, int max_words, cudaStream_t stream) {
   if (!down) {
