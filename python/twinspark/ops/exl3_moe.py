@@ -101,12 +101,13 @@ def _sm_count(index: int) -> int:
 @functools.cache
 def _gate_up_blocks(index: int, words13: int, max_words: int, smem_per_sm: int, fit_smem: bool) -> int:
     """Decode gate/up blocks per SM for a mul1 layer whose gate/up matrices all have words13 words per tile (max_words:
-    the layer's largest, which sizes the trellis ring): 4 where device `index` (current) holds 4 of the kernels sized
+    the layer's largest, which sizes the trellis ring): 4 where device `index` holds 4 of the kernels sized
     for that (64 registers; on sm_90a no spills but 8 B at K=8), else 3. H200, same build, 4 against 3
     (bench/results/exl3_moe_v26_gate_up4_h200.log): T=1 -0.8 / -1.4 / -1.6% at K=2/3/4, T=2 -2.3 / -5.5 / -5.0%, T=4
     -2.1 / -4.0 / -4.2%, T=8 -1.8 / -2.8 / -2.4%. GB10 (100 KB of shared memory per SM) holds fewer at most rates;
     TWINSPARK_EXL3_MOE_SMEM_PER_SM sizes the query as there."""
-    held = _ext.module().exl3_moe_gate_up4_blocks(words13, max_words, smem_per_sm, fit_smem)
+    with torch.cuda.device(index):  # the query reads the current device; only on a cache miss, off the hot path
+        held = _ext.module().exl3_moe_gate_up4_blocks(words13, max_words, smem_per_sm, fit_smem)
     return GATE_UP4_BLOCKS_PER_SM if held >= GATE_UP4_BLOCKS_PER_SM else GATE_UP_BLOCKS_PER_SM
 
 
@@ -239,9 +240,8 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
         words13 = words2 = 0
     gate_up_blocks = GATE_UP_BLOCKS_PER_SM
     if codebook == "mul1" and words13 and _switch("TWINSPARK_EXL3_MOE_GATE_UP4", True):
-        with torch.cuda.device(index):
-            gate_up_blocks = _gate_up_blocks(index, words13, max_words, smem_per_sm_override(),
-                                             _switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
+        gate_up_blocks = _gate_up_blocks(index, words13, max_words, smem_per_sm_override(),
+                                         _switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
     cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index), gate_up_blocks)
     # Both rates uniform: the layout is plan's packed one (Exl3MoeExperts checks), so those kernels compute where a
     # matrix starts instead of loading offsets[e] between routing and the first weight fetch (a cold round trip per
