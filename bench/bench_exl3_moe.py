@@ -33,7 +33,7 @@ from twinspark import benchkit as bk  # noqa: E402
 from twinspark import moe_layout as ml  # noqa: E402
 from twinspark.exl3.reference import hadamard_128  # noqa: E402
 from twinspark.ops import exl3_moe, exl3_reconstruct  # noqa: E402
-from twinspark.ops.exl3_moe import kernel_residency, plan_launch  # noqa: E402
+from twinspark.ops.exl3_moe import kernel_residency, launch_plan  # noqa: E402
 
 E, H, INTER, TOP_K = 384, 5120, 1152, 6
 KS = (2, 3, 4)
@@ -207,7 +207,6 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     copy = bk.copy_ceiling_gbps(dev)
     anchors = bk.load_anchors()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     gen = torch.Generator(device=dev).manual_seed(1234)
     records, summary = [], []
     ks, ts = ((3,), (1, 4, 512)) if args.quick else (KS, TS)
@@ -225,12 +224,12 @@ def main(argv=None) -> int:
             touched = [torch.unique(ids).numel() for _, ids, _ in ring]
             nbytes = sum(touched) / len(touched) * per_expert + sum(a.nbytes for a in ring[0]) + T * H * 2
             t = bk.time_cuda(lambda x, ids, w, ex=ex: exl3_moe(x, ids, w, ex), args=ring, warmup=3, iters=args.iters)
-            cfg = plan_launch(T, TOP_K, E, H, INTER, sms)
+            cfg = launch_plan(ring[0][0], ring[0][1], ex)  # as the op plans it (gate/up blocks per SM included)
             a = anchors.moe(K=K, T=T)
             rec = bk.Record(op="exl3_moe", shape={"E": E, "H": H, "I": INTER, "top_k": TOP_K, "K": K, "T": T}, timing=t,
                             bytes=int(nbytes), anchor_us=a.us if a else None,
                             notes=f"distinct experts {sum(touched) / len(touched):.1f}; mt={cfg['mt']} "
-                                  f"splitk={cfg['splitk']}")
+                                  f"splitk={cfg['splitk']} short_groups={cfg['short_groups']}")
             records.append(rec)
             res = "/".join(map(str, kernel_residency(*ring[0], ex)))
             rec.notes += f"; blocks_per_sm={res}"

@@ -20,6 +20,7 @@ from twinspark.ops.exl3_moe import (
     RATE_WORDS,
     gate_up_pdl,
     kernel_residency,
+    launch_plan,
     plan_launch,
 )
 from twinspark.ops.workspace import workspace
@@ -267,6 +268,30 @@ def test_plan_launch_four_gate_up_blocks_per_sm():
         plan_launch(1, 6, 384, 5120, 1152, sms=132, gate_up_blocks=5)
 
 
+def test_plan_launch_forced_split(monkeypatch):
+    """The sweep switch: N forces N uniform parts, "Nm" N parts with the mixed split on top (T=2 at 4 blocks per SM:
+    60 groups in 2 parts and 48 in 3 = 528 resident blocks); anything else is refused with one sentence."""
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SPLITK", "2")
+    cfg = plan_launch(2, 6, 384, 5120, 1152, sms=132, gate_up_blocks=4)
+    assert (cfg["splitk"], cfg["short_groups"]) == (2, 0)
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SPLITK", "2m")
+    cfg = plan_launch(2, 6, 384, 5120, 1152, sms=132, gate_up_blocks=4)
+    assert (cfg["splitk"], cfg["short_groups"]) == (3, 60)
+    assert 2 * 60 * 2 + 2 * 48 * 3 == 4 * 132
+    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SPLITK", "two")
+    with pytest.raises(ValueError, match="is not a part count"):
+        plan_launch(2, 6, 384, 5120, 1152, sms=132)
+
+
+def test_plan_launch_four_down_blocks_per_sm():
+    """With mul1's one-rate down kernel at 4 blocks per SM available (down4), decode runs it wherever 2 per SM would
+    take more than one wave (T >= 2 at 5120 / top-6 on 132 SMs); one token keeps 2, prefill never takes it."""
+    for T, want in ((1, 2), (2, 4), (4, 4), (8, 4)):
+        assert plan_launch(T, 6, 384, 5120, 1152, sms=132, down4=True)["down_min_blocks"] == want, T
+        assert plan_launch(T, 6, 384, 5120, 1152, sms=132)["down_min_blocks"] in (2, 3), T
+    assert plan_launch(2048, 6, 384, 5120, 1152, sms=132, down4=True)["down_min_blocks"] == 3
+
+
 def test_plan_launch_early_down_past_one_wave(monkeypatch):
     """Down blocks start per item (early_down) where gate/up takes more than one wave; at one token (gate/up in one
     wave) they wait for the grid; the switch forces either; 64-row items never start early."""
@@ -432,15 +457,20 @@ def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     exd = ex.to(cuda)
     # rate kernels (with both rates uniform: matrices placed by packed_strides; mul1: gate/up at 4 blocks per SM),
     # the same with offsets read, at 3 gate/up blocks per SM, the dispatching kernels
-    configs = {"rate": ("1", "1", "1"), "rate, offsets read": ("1", "0", "1"),
-               "rate, gate/up 3 per SM": ("1", "1", "0"), "dispatch": ("0", "1", "1")}
-    for T, top_k in ((1, 6), (4, 6), (17, 6)):
+    # (mul1's down runs at 4 per SM from T=4 on, K=3 with a smaller A region, at T=8 items of 5-8 rows in the fp16
+    # decode there; at 2-3 per SM with TWINSPARK_EXL3_MOE_DOWN4=0; at 4 at one token too, forced)
+    configs = {"rate": ("1", "1", "1", "", ""), "rate, offsets read": ("1", "0", "1", "", ""),
+               "rate, gate/up 3 per SM": ("1", "1", "0", "", ""), "rate, down 2-3 per SM": ("1", "1", "1", "0", ""),
+               "rate, down 4 per SM everywhere": ("1", "1", "1", "", "4"), "dispatch": ("0", "1", "1", "", "")}
+    for T, top_k in ((1, 6), (4, 6), (8, 6), (17, 6)):
         x, ids, w = _inputs(gen, T, top_k, 12, 5120)
         outs = {}
-        for name, (rate_kernels, packed, gate_up4) in configs.items():
+        for name, (rate_kernels, packed, gate_up4, down4, down_blocks) in configs.items():
             monkeypatch.setenv("TWINSPARK_EXL3_MOE_RATE_KERNELS", rate_kernels)
             monkeypatch.setenv("TWINSPARK_EXL3_MOE_PACKED", packed)
             monkeypatch.setenv("TWINSPARK_EXL3_MOE_GATE_UP4", gate_up4)
+            monkeypatch.setenv("TWINSPARK_EXL3_MOE_DOWN4", down4)
+            monkeypatch.setenv("TWINSPARK_EXL3_MOE_DOWN_BLOCKS", down_blocks)
             got, want = _check_kernel(cuda, ex, exd, x, ids, w)
             assert rel_l2(got, want) <= TOL, f"T={T} {name}"
             outs[name] = got
@@ -676,15 +706,31 @@ def test_kernel_decode_residency(gen, cuda, monkeypatch):
         torch.cuda.synchronize()
         assert torch.isfinite(got.float()).all()
         seen.append(kernel_residency(x, ids, w, ex))
+        plan = launch_plan(x, ids, ex)
         if torch.cuda.get_device_capability(cuda) == (9, 0):  # 228 KB of shared memory per SM
             assert seen == [(sized, 2), (sized, 2)], (gate_up4, seen)
+            # the plan the op launches with: one wave of gate/up pieces at the residency it holds (T=1, 132 SMs:
+            # 12 groups in 4 parts and 96 in 5 = 528 blocks at 4 per SM; 18 in 3 and 36 in 4 = 396 at 3)
+            assert plan["gate_up_blocks"] == sized, plan
+            sms = torch.cuda.get_device_properties(cuda).multi_processor_count
+            pieces = 2 * (plan["max_items"] * 9 * plan["splitk"] - plan["short_groups"])  # gate and up
+            assert plan["max_items"] == 6 and sized * sms - 2 * 9 < pieces <= sized * sms, (plan, pieces)
         else:  # GB10 (100 KB per SM): shared memory allows fewer; never more than the sizing
             assert all(1 <= g <= sized and 1 <= d <= 2 for g, d in seen), (gate_up4, seen)
-    # the query behind the choice: the 4-per-SM kernel's residency, nothing launched; -1 where no such kernel exists
-    C = _ext.module()
-    assert C.exl3_moe_gate_up4_blocks(0, 48, 0, True) == C.exl3_moe_gate_up4_blocks(48, 32, 0, True) == -1
+    # the query behind the choice: a 4-per-SM kernel's residency and A region (k-blocks), nothing launched; (-1, -1)
+    # where no such kernel exists. Sized as on GB10, K=2 fits 4 per SM only with 2-k-block regions: the plan keeps 3.
+    four = _ext.module().exl3_moe_four_per_sm
+    for down in (False, True):
+        assert four(down, 0, 48, 0, True) == four(down, 48, 32, 0, True) == (-1, -1)
+        assert four(down, 32, 32, GB10_SMEM, True) == (4, 2)
     if torch.cuda.get_device_capability(cuda) == (9, 0):
-        assert C.exl3_moe_gate_up4_blocks(48, 48, 0, True) == 4
+        assert four(False, 48, 48, 0, True) == (4, 8) and four(False, 64, 64, 0, True) == (4, 7)
+        assert four(True, 32, 32, 0, True) == (4, 10) and four(True, 48, 48, 0, True) == (4, 8)
+        # past one token the down kernel runs at 4 per SM too (T=4: 24 items x 40 blocks)
+        x4, ids4, w4 = (t.to(cuda) for t in _inputs(gen, 4, 6, E, 5120))
+        monkeypatch.delenv("TWINSPARK_EXL3_MOE_GATE_UP4")
+        assert kernel_residency(x4, ids4, w4, ex) == (4, 4)
+        assert launch_plan(x4, ids4, ex)["down_min_blocks"] == 4
 
 
 @pytest.mark.gpu
@@ -694,7 +740,7 @@ def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
     per SM and the one-token down kernel 2 (K=3; 1 and 1 with the full region), and every path still matches the
     reference with the smaller region, where pieces build A in several chunks: one token, 4-row byte-sum items,
     items of 5-16 rows (fp16 decode), duplicate ids, mixed rates up to K=8, a 64-row prefill call, a one-rate K=2
-    layer (mul1's gate/up kernel sized for 4 per SM where it fits)."""
+    layer (mul1's 4-per-SM gate/up kernel fits only with a 2-k-block region there: the plan keeps 3)."""
     monkeypatch.setenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM", str(GB10_SMEM))
     monkeypatch.setenv("TWINSPARK_EXL3_MOE_FIT_SMEM", fit)
     E = 8
@@ -718,14 +764,17 @@ def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
             ids[0, :3] = ids[0, 3]  # duplicate ids in a row
         got, want = _check_kernel(cuda, ex, exd, x, ids, w)
         assert rel_l2(got, want) <= TOL, f"T={T} mixed rates"
-    # K=2, one rate: there mul1's 4-per-SM gate/up kernel may fit with a 2-k-block A region (x' in several chunks per
-    # piece); whichever sizing the query picks must match the reference
+    # K=2, one rate: mul1's 4-per-SM gate/up kernel fits only with a 2-k-block A region (x' in several chunks per
+    # piece), so the plan keeps 3 (with the full region: 1 per SM either way); taken anyway
+    # (TWINSPARK_EXL3_MOE_GATE_UP4=any), the small region must match the reference too
     ex = ml.random_experts(E, 5120, 1152, rates=[(2, 2, 2)] * E, codebook="mul1", generator=gen)
     exd = ex.to(cuda)
-    for T in (1, 4):
+    for T, forced in ((1, ""), (4, ""), (1, "any")):
+        monkeypatch.setenv("TWINSPARK_EXL3_MOE_GATE_UP4", forced)
         x, ids, w = _inputs(gen, T, 6, E, 5120)
         seen = kernel_residency(x.to(cuda), ids.to(cuda), w.to(cuda), exd)
-        assert 1 <= seen[0] <= 4 and 1 <= seen[1] <= 3, seen
+        if fit == "1":
+            assert seen[0] == (4 if forced else 3) and 1 <= seen[1] <= 3, (forced, seen)
         got, want = _check_kernel(cuda, ex, exd, x, ids, w)
         assert rel_l2(got, want) <= TOL, f"K=2 T={T} residency {seen}"
 

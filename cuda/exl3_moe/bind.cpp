@@ -1,5 +1,6 @@
 #ifdef TWINSPARK_WITH_CUDA
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "common/bind_util.h"
 #include "common/trace.h"
@@ -90,9 +91,10 @@ void bind_exl3_moe(py::module_& m) {
       py::arg("bytesum"), py::arg("early_down"), py::arg("pdl"), py::arg("stream"), py::arg("trace") = 0,
       py::arg("residency") = 0, py::arg("smem_per_sm") = 0, py::arg("fit_smem") = true, py::arg("e_stride") = 0,
       py::arg("m_stride") = 0, py::arg("gate_up_min_blocks") = 3);
-  m.def("exl3_moe_gate_up4_blocks", &twinspark::exl3_moe_gate_up4_blocks, py::arg("words13"), py::arg("max_words"),
-        py::arg("smem_per_sm"), py::arg("fit_smem"),
-        "blocks per SM the 4-per-SM mul1 gate/up kernel of that rate gets on the current device (-1: no such kernel)");
+  m.def("exl3_moe_four_per_sm", &twinspark::exl3_moe_four_per_sm, py::arg("down"), py::arg("words"),
+        py::arg("max_words"), py::arg("smem_per_sm"), py::arg("fit_smem"),
+        "(blocks per SM, k-blocks of its A region) of the 4-per-SM mul1 decode kernel (gate/up or down) of that rate "
+        "on the current device ((-1, -1): no such kernel)");
   m.def("exl3_moe_a_bytes", &twinspark::exl3_moe_a_bytes, py::arg("down"), py::arg("max_words"),
         py::arg("static_bytes"), py::arg("reserved"), py::arg("per_sm"), py::arg("blocks"),
         "bytes of the A region a 16-row exl3_moe kernel launches with where `blocks` of it must fit per SM (-1: "

@@ -159,7 +159,7 @@ bool valid_args(const Exl3MoeArgs& a) {
          parts_nonempty(a.H / 128, a.splitk) && (a.mt != 1 || a.act_counters) && (a.mt == 1 || a.splitk == 1) &&
          a.short_groups >= 0 && a.short_groups <= a.max_items * (a.I / 128) &&
          (a.short_groups == 0 || (a.mt == 1 && parts_nonempty(a.H / 128, a.splitk - 1))) &&
-         (a.mt != 1 || a.down_min_blocks == 2 || a.down_min_blocks == 3) &&
+         (a.mt != 1 || (a.down_min_blocks >= 2 && a.down_min_blocks <= 4)) &&
          (a.mt != 1 || a.gate_up_min_blocks == 3 || a.gate_up_min_blocks == 4) && a.max_items <= 65535 &&
          rate_words_ok(a.words13, a.max_words) && rate_words_ok(a.words2, a.max_words) &&
          (a.mt == 1 || !a.early_down) &&
@@ -175,20 +175,22 @@ int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, i
   return moe::fit_a_bytes(moe::a_region_bytes(down), ring, static_bytes, reserved, per_sm, blocks);
 }
 
-int exl3_moe_gate_up4_blocks(int words13, int max_words, int smem_per_sm, bool fit_smem) {
-  if (words13 == 0 || !rate_words_ok(words13, max_words) || max_words > 128 || smem_per_sm < 0) return -1;
+std::pair<int, int> exl3_moe_four_per_sm(bool down, int words, int max_words, int smem_per_sm, bool fit_smem) {
+  if (words == 0 || !rate_words_ok(words, max_words) || max_words > 128 || smem_per_sm < 0) return {-1, -1};
   moe::GemmParams gp{};
-  int blocks = 0;
+  int blocks = 0, a_kb = 0;
   gp.residency = &blocks;
+  gp.a_kb_out = &a_kb;
   gp.gate_up_min_blocks = 4;
+  gp.down_min_blocks = 4;
   gp.smem_per_sm = smem_per_sm;
   gp.fit_smem = fit_smem;
-  const cudaError_t err = moe::launch_moe_gemm<exl3::kCbMul1>(gp, false, 1, 1, max_words, words13, nullptr);
+  const cudaError_t err = moe::launch_moe_gemm<exl3::kCbMul1>(gp, down, 1, 1, max_words, words, nullptr);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return -1;
+    return {-1, -1};
   }
-  return blocks;
+  return {blocks, a_kb};
 }
 
 cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {

@@ -35,6 +35,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <utility>
+
 namespace twinspark {
 
 // The rates with decode kernels of their own, as words per tile (16 K for K = 1..8, 16 K + 8 for K = 1.5, 2.5, 3.5):
@@ -102,10 +104,11 @@ cudaError_t exl3_moe(const Exl3MoeArgs& args, cudaStream_t stream);
 // (moe_gemm.cuh fit_a_bytes); -1 for arguments out of range. Host only (tests, the GB10 sizing in NOTES.md v18).
 int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, int per_sm, int blocks);
 
-// Blocks per SM the mul1 gate/up kernel of rate words13 sized for 4 per SM (64 registers) gets on the current device,
-// its shared memory sized as a launch of a layer with max_words sizes it (the trellis ring holds max_words per tile;
-// smem_per_sm / fit_smem as in Exl3MoeArgs); nothing launches. The host plans for 4 gate/up blocks per SM where this
-// is 4 (ops/exl3_moe.py); -1 for a words13 with no kernel or out of max_words.
-int exl3_moe_gate_up4_blocks(int words13, int max_words, int smem_per_sm, bool fit_smem);
+// The mul1 16-row decode kernel (gate/up, or down) of rate `words` sized for 4 blocks per SM (64 registers) on the
+// current device, its shared memory sized as a launch of a layer with max_words sizes it (the trellis ring holds
+// max_words per tile; smem_per_sm / fit_smem as in Exl3MoeArgs): {blocks per SM it gets, k-blocks its A region holds
+// (fit_a_bytes)}; nothing launches. The host plans for 4 blocks per SM where it gets 4 with a large enough region
+// (ops/exl3_moe.py); {-1, -1} for a rate with no kernel or out of max_words.
+std::pair<int, int> exl3_moe_four_per_sm(bool down, int words, int max_words, int smem_per_sm, bool fit_smem);
 
 }  // namespace twinspark

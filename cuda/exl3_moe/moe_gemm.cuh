@@ -82,6 +82,7 @@ struct GemmParams {
                               // (wait_act), not when the whole gate/up grid is done
   bool pdl_gate_up;           // host side: gate/up launched with launch_pdl (it waits for the kernel before it first)
   int* residency;             // host side: null, or launch nothing and store the kernel's blocks per SM here
+  int* a_kb_out;              // host side, with residency: null, or store the k-blocks its A region holds (16-row)
   int smem_per_sm;            // host side: 0, or the shared memory per SM to size for (Exl3MoeArgs::smem_per_sm)
   bool fit_smem;              // host side: fit_a_bytes on (else the full A region)
   int a_bytes;                // 16-row items: the A region's bytes (a multiple of kAKbBytes; set by the launch)
@@ -944,9 +945,9 @@ __device__ __forceinline__ Piece gate_up_piece(const GemmParams& p) {
 }
 
 // MINB: blocks per SM the registers are sized for. Gate/up of 16-row items 3 (80 registers), or 4 (64 registers) for
-// mul1's one-rate kernels where the device holds 4 (python: _gate_up_blocks); down of 16-row items 2 (104 registers)
-// or 3 (80), chosen by the plan (python: plan_launch); 64-row items 2. WORDS: 0, or the one rate of
-// every matrix the kernel decodes (dispatch_rate).
+// mul1's one-rate kernels where the device holds 4 (python: _config); down of 16-row items 2 (104 registers), 3 (80)
+// or (mul1, one rate, where the device holds 4) 4 (64), chosen by the plan (python: plan_launch); 64-row items 2.
+// WORDS: 0, or the one rate of every matrix the kernel decodes (dispatch_rate).
 template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0>
 __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
@@ -1142,7 +1143,10 @@ cudaError_t launch_one(const GemmParams& params, int max_items, int max_words, c
                                        p.smem_per_sm, p.fit_smem, smem, p.a_bytes);
   if (err != cudaSuccess) return err;
   p.a_kb = p.a_bytes / kAKbBytes;
-  if (p.residency) return cudaOccupancyMaxActiveBlocksPerMultiprocessor(p.residency, kernel, kThreads, smem);
+  if (p.residency) {
+    if (p.a_kb_out) *p.a_kb_out = p.a_kb;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(p.residency, kernel, kThreads, smem);
+  }
   const int groups = max_items * (p.I / 128), ns = p.short_groups;
   const dim3 grid = DOWN     ? dim3(p.H / 128, max_items)
                     : ns > 0 ? dim3(2 * ns * (p.splitk - 1) + 2 * (groups - ns) * p.splitk)
@@ -1152,11 +1156,12 @@ cudaError_t launch_one(const GemmParams& params, int max_items, int max_words, c
   return cudaGetLastError();
 }
 
-// 16-row items: the kernels (gate/up at 3 blocks per SM, or 4 for mul1's one-rate kernels; down at 2 or 3) for rate
-// WORDS (0: every rate). The 4-per-SM gate/up (64 registers: no spills on sm_90a up to K=7, 8 B at K=8, none on
-// sm_121a; its K=3 loop 302 instructions per k-block against 298) won everywhere in decode on the H200
-// (cuda/exl3_moe/NOTES.md v21 item 5); the other codebooks and the dispatching kernels keep 3 (not measured at 4; fewer
-// instantiations).
+// 16-row items: the kernels (gate/up at 3 blocks per SM, or 4 for mul1's one-rate kernels; down at 2 or 3, or 4 for
+// mul1's one-rate kernels) for rate WORDS (0: every rate). The 4-per-SM gate/up (64 registers: no spills on sm_90a up
+// to K=7, 8 B at K=8, none on sm_121a; its K=3 loop 302 instructions per k-block against 298) won everywhere in decode
+// on the H200 (cuda/exl3_moe/NOTES.md v21 item 5); the 4-per-SM down (no spills at any rate on sm_90a, loops within 2
+// instructions of the 3-per-SM kernel's) from two tokens on (v22). The other codebooks and the dispatching kernels keep
+// 3 (not measured at 4; fewer instantiations); a down_min_blocks of 4 for them runs the 3-per-SM kernel.
 template <int CB, int WORDS>
 cudaError_t launch_decode(const GemmParams& p, bool down, int max_items, int max_words, cudaStream_t stream) {
   if (!down) {
@@ -1165,8 +1170,11 @@ cudaError_t launch_decode(const GemmParams& p, bool down, int max_items, int max
     }
     return launch_one<CB, 1, false, 3, WORDS>(p, max_items, max_words, stream);
   }
-  return p.down_min_blocks == 3 ? launch_one<CB, 1, true, 3, WORDS>(p, max_items, max_words, stream)
-                                : launch_one<CB, 1, true, 2, WORDS>(p, max_items, max_words, stream);
+  if constexpr (CB == exl3::kCbMul1 && WORDS != 0) {
+    if (p.down_min_blocks == 4) return launch_one<CB, 1, true, 4, WORDS>(p, max_items, max_words, stream);
+  }
+  return p.down_min_blocks == 2 ? launch_one<CB, 1, true, 2, WORDS>(p, max_items, max_words, stream)
+                                : launch_one<CB, 1, true, 3, WORDS>(p, max_items, max_words, stream);
 }
 
 // 16-row items: the kernels compiled for rate_words alone (one of kExl3MoeRateWords, exl3_moe.h), or for 0 the ones

@@ -36,6 +36,9 @@ MAX_ITEMS = 65535  # the kernels' grid y / z extent (exl3_moe.h)
 SMEM_PER_SM_RANGE = (100 * 1024, 228 * 1024)
 GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers x 256 threads; moe_gemm.cuh MINB)
 GATE_UP4_BLOCKS_PER_SM = 4  # mul1's one-rate gate/up kernels sized for 4 (64 registers), where the device holds 4
+# ... with an A region of this many k-blocks at least (_config: what was measured to win, NOTES.md v22)
+GATE_UP4_MIN_A_KB = 5
+DOWN4_MIN_A_KB = 8
 
 
 def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, limit) -> None:
@@ -99,24 +102,25 @@ def _sm_count(index: int) -> int:
 
 
 @functools.cache
-def _gate_up_blocks(index: int, words13: int, max_words: int, smem_per_sm: int, fit_smem: bool) -> int:
-    """Decode gate/up blocks per SM for a mul1 layer whose gate/up matrices all have words13 words per tile (max_words:
-    the layer's largest, which sizes the trellis ring): 4 where device `index` holds 4 of the kernels sized
-    for that (64 registers; on sm_90a no spills but 8 B at K=8), else 3. H200, same build, 4 against 3
-    (bench/results/exl3_moe_v26_gate_up4_h200.log): T=1 -0.8 / -1.4 / -1.6% at K=2/3/4, T=2 -2.3 / -5.5 / -5.0%, T=4
-    -2.1 / -4.0 / -4.2%, T=8 -1.8 / -2.8 / -2.4%. GB10 (100 KB of shared memory per SM) holds fewer at most rates;
-    TWINSPARK_EXL3_MOE_SMEM_PER_SM sizes the query as there."""
-    with torch.cuda.device(index):  # the query reads the current device; only on a cache miss, off the hot path
-        held = _ext.module().exl3_moe_gate_up4_blocks(words13, max_words, smem_per_sm, fit_smem)
-    return GATE_UP4_BLOCKS_PER_SM if held >= GATE_UP4_BLOCKS_PER_SM else GATE_UP_BLOCKS_PER_SM
+def _four_per_sm(index: int, down: bool, words: int, max_words: int, smem_per_sm: int, fit_smem: bool,
+                 min_a_kb: int) -> bool:
+    """Whether mul1's one-rate decode kernel (gate/up, or down) of `words` words per tile, sized for 4 blocks per SM
+    (64 registers), gets 4 on device `index` with an A region of min_a_kb k-blocks at least, its shared memory sized as
+    a launch of a layer with max_words sizes it (the trellis ring). Asked of the extension (exl3_moe_four_per_sm),
+    nothing launched; once per configuration, off the hot path. TWINSPARK_EXL3_MOE_SMEM_PER_SM sizes it as on a device
+    with that much shared memory per SM (GB10: 102400)."""
+    with torch.cuda.device(index):  # the query reads the current device
+        held, a_kb = _ext.module().exl3_moe_four_per_sm(down, words, max_words, smem_per_sm, fit_smem)
+    return held >= 4 and a_kb >= min_a_kb
 
 
 def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, sms: int,
-                gate_up_blocks: int = GATE_UP_BLOCKS_PER_SM) -> dict:
+                gate_up_blocks: int = GATE_UP_BLOCKS_PER_SM, down4: bool = False) -> dict:
     """Kernel configuration from shapes only (never from device data): rows per item (16 * mt), gate/up split-k,
     the bound on items the grids cover, whether the down kernel converts the output itself, and the blocks per SM
     the 16-row down kernel is sized for. gate_up_blocks: the decode gate/up kernel's blocks per SM (3, or 4 for
-    mul1's one-rate kernels where the device holds 4: _gate_up_blocks)."""
+    mul1's one-rate kernels where the device holds 4: _config); down4: mul1's one-rate down kernel sized for 4 per SM
+    is there (_config)."""
     if gate_up_blocks not in (GATE_UP_BLOCKS_PER_SM, GATE_UP4_BLOCKS_PER_SM):
         raise ValueError(f"plan_launch: gate_up_blocks is {gate_up_blocks}, expected {GATE_UP_BLOCKS_PER_SM} or "
                          f"{GATE_UP4_BLOCKS_PER_SM} (the gate/up kernels' sizings)")
@@ -136,7 +140,14 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     blocks = max(1, min(pairs, num_experts)) * 2 * (inter // 128)
     base = gate_up_blocks if blocks <= sms else 3 if blocks <= 2 * sms else 2
     splitk = min(kblocks, base) if decode else 1
-    forced = os.environ.get("TWINSPARK_EXL3_MOE_SPLITK", "")  # benchmark sweeps (bench_exl3_moe.py --sweep)
+    # Benchmark sweeps (bench_exl3_moe.py --sweep): TWINSPARK_EXL3_MOE_SPLITK=N forces N uniform parts, "Nm" N parts
+    # with the mixed split below on top.
+    forced = os.environ.get("TWINSPARK_EXL3_MOE_SPLITK", "").strip()
+    mixed = forced.endswith("m")
+    forced = forced.removesuffix("m")
+    if forced and not forced.isdigit():
+        raise ValueError(f"TWINSPARK_EXL3_MOE_SPLITK={os.environ['TWINSPARK_EXL3_MOE_SPLITK']!r} is not a part count "
+                         "(N, or Nm for N parts with the mixed split); unset it for the plan's own")
     if decode and forced:
         splitk = max(1, min(kblocks, int(forced)))
     splitk = _whole_parts(kblocks, splitk)
@@ -151,15 +162,17 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     short_groups = 0
     groups = max_items * (inter // 128)
     room = gate_up_blocks * sms - 2 * groups * splitk
-    if decode and not forced and room >= 2 and _whole_parts(kblocks, splitk + 1) == splitk + 1:
+    if decode and (mixed or not forced) and room >= 2 and _whole_parts(kblocks, splitk + 1) == splitk + 1:
         long_groups = min(groups, room // 2)
         splitk, short_groups = splitk + 1, groups - long_groups
     # The 16-row down kernel: 3 blocks per SM (80 registers) once its grid is more than 4 per SM, else 2 (104).
     # H200, with early_down (exl3_moe_v18_plan_sweep_h200.log, K=2/3/4): T=2 (480 blocks) 2 per SM 65.6-66.0 / 76.0 /
     # 69.0 us against 66.6-66.9 / 77.4 / 71.0 at 3; T=4 (960) 3 per SM 114.3 / 134.2 / 120.7 against 118.2 / 137.2 /
     # 124.0 at 2, and 3 at T=8 and T=32 too. T=1 (240 blocks) stays at 2 (3: +5-10%, exl3_moe_v13_down3_h200.log).
-    down_min_blocks = 3 if max_items * (hidden // 128) > 4 * sms else 2
-    if os.environ.get("TWINSPARK_EXL3_MOE_DOWN_BLOCKS") in ("2", "3"):  # benchmark sweeps
+    # mul1's one-rate down kernel at 4 per SM (64 registers) wherever 2 per SM is more than one wave (_config).
+    down_grid = max_items * (hidden // 128)
+    down_min_blocks = 4 if down4 and decode and down_grid > 2 * sms else 3 if down_grid > 4 * sms else 2
+    if os.environ.get("TWINSPARK_EXL3_MOE_DOWN_BLOCKS") in ("2", "3", "4"):  # benchmark sweeps (4: mul1, one rate)
         down_min_blocks = int(os.environ["TWINSPARK_EXL3_MOE_DOWN_BLOCKS"])
     # mul1 items of <= 4 rows: the byte-sum mma (the tensor cores add each weight's product bytes; moe_gemm.cuh).
     # TWINSPARK_EXL3_MOE_BYTESUM=0 keeps the fp16 decode (same-build A/B in bench_exl3_moe.py).
@@ -216,6 +229,40 @@ def _whole_parts(kblocks: int, parts: int) -> int:
     return -(-kblocks // -(-kblocks // parts))
 
 
+def _config(T: int, top_k: int, E: int, hidden: int, inter: int, index: int, max_words: int, words13: int,
+            words2: int, codebook: str) -> tuple[dict, int, int]:
+    """plan_launch's configuration for a call on device `index`, with the one-rate kernels' words13 / words2 as the
+    launch passes them (0 where the kernels that dispatch on every expert's rate run)."""
+    decode = T * top_k <= DECODE_MAX_PAIRS
+    # Uniform rates, decode (<= DECODE_MAX_PAIRS pairs): the 16-row kernels compiled for that rate alone. H200, same
+    # build (cuda/exl3_moe/NOTES.md v15): T=1 -2.3 / -1.7 / -4.5% at K=2/3/4, T=4 -2.9 / 0 / -2.6%; past decode K=3
+    # lost (T=32 +2.2%, T=512 +3.0%), so routed calls keep the kernels that dispatch on every expert's rate. Re-measured
+    # after the cheaper tile copies (v16 item 5): T=1 +0.6 / -2.5 / -1.9%, T=2 -1.2 / -2.4 / -2.3%, T=4-8 within 1.2%.
+    # TWINSPARK_EXL3_MOE_RATE_KERNELS=0: those everywhere (same-build A/B in bench_exl3_moe.py).
+    if not decode or not _switch("TWINSPARK_EXL3_MOE_RATE_KERNELS", True):
+        words13 = words2 = 0
+    # mul1, one rate: the decode kernels sized for 4 blocks per SM where the device holds 4 with enough A region.
+    # Gate/up, H200 against 3 per SM (bench/results/exl3_moe_v26_gate_up4_h200.log, exl3_moe_v27_down4_k56_h200.log):
+    # T=1 -0.8 / -1.4 / -1.6% at K=2/3/4 (K=4: a 7-k-block region), T=2 -2.3 / -5.5 / -5.0%, T=4 -2.1 / -4.0 / -4.2%, T=8
+    # -1.8 / -2.8 / -2.4%; K=5 (5 k-blocks) T=2 -3.4%, T=1 and 4 tied; K=6 (4 k-blocks) T=2 -1.5% but T=4 +1%; sized as
+    # on GB10, K=2 gets 4 only with 2 k-blocks: T=1 +2.4% (exl3_moe_v27_gate_up4_gb10_t2_split_h200.log).
+    # Down, past one wave at 2 per SM (T >= 2), against 2 or 3 (exl3_moe_v27_down4_k56_h200.log, K=2 / 3): T=2 +0.5 /
+    # -4.5%, T=4 -1.9 / -2.7%, T=8 -1.0 / -2.4% (regions of 10 / 8 k-blocks).
+    # TWINSPARK_EXL3_MOE_GATE_UP4=0 / TWINSPARK_EXL3_MOE_DOWN4=0 keep 3 / 2-3; =any takes 4 wherever 4 fit, whatever
+    # the region (experiments, tests).
+    gate_up_blocks, down4 = GATE_UP_BLOCKS_PER_SM, False
+    if codebook == "mul1" and (words13 or words2):
+        sized = (max_words, smem_per_sm_override(), _switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
+        gate_up4 = os.environ.get("TWINSPARK_EXL3_MOE_GATE_UP4", "")
+        if words13 and gate_up4 != "0" and _four_per_sm(index, False, words13, *sized,
+                                                        0 if gate_up4 == "any" else GATE_UP4_MIN_A_KB):
+            gate_up_blocks = GATE_UP4_BLOCKS_PER_SM
+        down4_env = os.environ.get("TWINSPARK_EXL3_MOE_DOWN4", "")
+        down4 = bool(words2) and down4_env != "0" and _four_per_sm(index, True, words2, *sized,
+                                                                    0 if down4_env == "any" else DOWN4_MIN_A_KB)
+    return plan_launch(T, top_k, E, hidden, inter, _sm_count(index), gate_up_blocks, down4), words13, words2
+
+
 def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
             words13, words2, codebook, limit, trace=None, residency=None):
     """The launch. trace: None, or a zeroed int64 tensor of shape _ext.module().trace_shape on x's device that the
@@ -230,19 +277,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
         return out
     dev = x.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    decode = T * top_k <= DECODE_MAX_PAIRS
-    # Uniform rates, decode (<= DECODE_MAX_PAIRS pairs): the 16-row kernels compiled for that rate alone. H200, same
-    # build (cuda/exl3_moe/NOTES.md v15): T=1 -2.3 / -1.7 / -4.5% at K=2/3/4, T=4 -2.9 / 0 / -2.6%; past decode K=3
-    # lost (T=32 +2.2%, T=512 +3.0%), so routed calls keep the kernels that dispatch on every expert's rate. Re-measured
-    # after the cheaper tile copies (v16 item 5): T=1 +0.6 / -2.5 / -1.9%, T=2 -1.2 / -2.4 / -2.3%, T=4-8 within 1.2%.
-    # TWINSPARK_EXL3_MOE_RATE_KERNELS=0: those everywhere (same-build A/B in bench_exl3_moe.py).
-    if not decode or not _switch("TWINSPARK_EXL3_MOE_RATE_KERNELS", True):
-        words13 = words2 = 0
-    gate_up_blocks = GATE_UP_BLOCKS_PER_SM
-    if codebook == "mul1" and words13 and _switch("TWINSPARK_EXL3_MOE_GATE_UP4", True):
-        gate_up_blocks = _gate_up_blocks(index, words13, max_words, smem_per_sm_override(),
-                                         _switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
-    cfg = plan_launch(T, top_k, E, hidden, inter, _sm_count(index), gate_up_blocks)
+    cfg, words13, words2 = _config(T, top_k, E, hidden, inter, index, max_words, words13, words2, codebook)
     # Both rates uniform: the layout is plan's packed one (Exl3MoeExperts checks), so those kernels compute where a
     # matrix starts instead of loading offsets[e] between routing and the first weight fetch (a cold round trip per
     # block). TWINSPARK_EXL3_MOE_PACKED=0 loads it anyway (same-build A/B).
@@ -291,6 +326,16 @@ def kernel_residency(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
             experts.svh13, experts.suh2, experts.svh2, int(experts.first_expert), int(experts.max_words),
             int(experts.words13), int(experts.words2), experts.codebook, None, residency=out)
     return int(out[0]), int(out[1])
+
+
+def launch_plan(x: torch.Tensor, topk_ids: torch.Tensor, experts: Exl3MoeExperts) -> dict:
+    """The configuration ``exl3_moe(x, topk_ids, ..., experts)`` launches with on x's CUDA device (plan_launch's
+    dict, the gate/up blocks per SM included); nothing runs (benchmarks, kernel developers)."""
+    if x.device.type != "cuda":
+        raise ValueError(f"launch_plan: x is on {x.device}; the plan is made for a CUDA device, pass CUDA tensors")
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _config(x.shape[0], topk_ids.shape[1], experts.svh13.shape[0], x.shape[1], experts.svh13.shape[-1], index,
+                   int(experts.max_words), int(experts.words13), int(experts.words2), experts.codebook)[0]
 
 
 @torch.library.custom_op("twinspark::exl3_moe", mutates_args=())
