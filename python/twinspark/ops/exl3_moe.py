@@ -38,7 +38,7 @@ GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers
 GATE_UP4_BLOCKS_PER_SM = 4  # mul1's one-rate gate/up kernels sized for 4 (64 registers), where the device holds 4
 # ... with an A region of this many k-blocks at least (_config: what was measured to win, NOTES.md v22)
 GATE_UP4_MIN_A_KB = 5
-DOWN4_MIN_A_KB = 8
+DOWN4_MIN_A_KB = 7
 
 
 def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, limit) -> None:
@@ -246,8 +246,9 @@ def _config(T: int, top_k: int, E: int, hidden: int, inter: int, index: int, max
     # T=1 -0.8 / -1.4 / -1.6% at K=2/3/4 (K=4: a 7-k-block region), T=2 -2.3 / -5.5 / -5.0%, T=4 -2.1 / -4.0 / -4.2%, T=8
     # -1.8 / -2.8 / -2.4%; K=5 (5 k-blocks) T=2 -3.4%, T=1 and 4 tied; K=6 (4 k-blocks) T=2 -1.5% but T=4 +1%; sized as
     # on GB10, K=2 gets 4 only with 2 k-blocks: T=1 +2.4% (exl3_moe_v27_gate_up4_gb10_t2_split_h200.log).
-    # Down, past one wave at 2 per SM (T >= 2), against 2 or 3 (exl3_moe_v27_down4_k56_h200.log, K=2 / 3): T=2 +0.5 /
-    # -4.5%, T=4 -1.9 / -2.7%, T=8 -1.0 / -2.4% (regions of 10 / 8 k-blocks).
+    # Down, past one wave at 2 per SM (T >= 2), against 2 or 3 (exl3_moe_v27_down4_k56_h200.log, K=2 / 3; K=4:
+    # exl3_moe_v27_final_h200.log): T=2 +0.5 / -4.5 / -6.2%, T=4 -1.9 / -2.7 / -3.9%, T=8 -1.0 / -2.4 / -3.9% (regions of
+    # 10 / 8 / 7 k-blocks).
     # TWINSPARK_EXL3_MOE_GATE_UP4=0 / TWINSPARK_EXL3_MOE_DOWN4=0 keep 3 / 2-3; =any takes 4 wherever 4 fit, whatever
     # the region (experiments, tests).
     gate_up_blocks, down4 = GATE_UP_BLOCKS_PER_SM, False
