@@ -726,6 +726,7 @@ def test_kernel_decode_residency(gen, cuda, monkeypatch):
     if torch.cuda.get_device_capability(cuda) == (9, 0):
         assert four(False, 48, 48, 0, True) == (4, 8) and four(False, 64, 64, 0, True) == (4, 7)
         assert four(True, 32, 32, 0, True) == (4, 10) and four(True, 48, 48, 0, True) == (4, 8)
+        assert four(True, 64, 64, 0, True) == (4, 7) and four(False, 80, 80, 0, True) == (4, 5)
         # past one token the down kernel runs at 4 per SM too (T=4: 24 items x 40 blocks)
         x4, ids4, w4 = (t.to(cuda) for t in _inputs(gen, 4, 6, E, 5120))
         monkeypatch.delenv("TWINSPARK_EXL3_MOE_GATE_UP4")
