@@ -457,8 +457,9 @@ def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     exd = ex.to(cuda)
     # rate kernels (with both rates uniform: matrices placed by packed_strides; mul1: gate/up at 4 blocks per SM),
     # the same with offsets read, at 3 gate/up blocks per SM, the dispatching kernels
-    # (mul1's down runs at 4 per SM from T=4 on, K=3 with a smaller A region, at T=8 items of 5-8 rows in the fp16
-    # decode there; at 2-3 per SM with TWINSPARK_EXL3_MOE_DOWN4=0; at 4 at one token too, forced)
+    # (the first case, mul1 with one down rate, runs down at 4 per SM at T=4 and 8, at T=8 items of 5-8 rows in the
+    # fp16 decode there; at 2-3 per SM with TWINSPARK_EXL3_MOE_DOWN4=0; at 4 at one token too, forced; the other
+    # cases keep 2-3 whatever the switches say)
     configs = {"rate": ("1", "1", "1", "", ""), "rate, offsets read": ("1", "0", "1", "", ""),
                "rate, gate/up 3 per SM": ("1", "1", "0", "", ""), "rate, down 2-3 per SM": ("1", "1", "1", "0", ""),
                "rate, down 4 per SM everywhere": ("1", "1", "1", "", "4"), "dispatch": ("0", "1", "1", "", "")}
