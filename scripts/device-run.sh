@@ -3,7 +3,7 @@
 #
 #   scripts/device-run.sh [-t "tests/test_a.py tests/test_b.py"] [-k PYTEST_K] [-b "exl3 moe"] [-B "bench args"]
 #                         [--no-build] [--archs 90a] [--ab .ab/base | --env-ab VAR | --env-sets "A=1 B=2|A=0"]
-#                         [--ab-rounds 2]
+#                         [--ab-rounds 2] [--trace "K,T K,T ..."]
 #
 #   -t  test files/node ids for `pytest -m gpu` (default: none; "all" = tests/test_*.py)
 #   -k  pytest -k expression          -b  benchmark names for bench/run.py (default: none)
@@ -16,6 +16,9 @@
 #       ("new") and VAR=0 ("base"), alternating for --ab-rounds rounds, under the same "== new|base <round>" headers
 #   --env-sets "SETS"  same-build comparison of several environments: SETS is '|'-separated, each a space-separated
 #       list of VAR=VALUE; every round runs each -b benchmark (needs -B) once per set, under "== set<i> <round> (SET)"
+#   --trace "K,T ..."  last of all: rebuild with the per-block marks (TWINSPARK_TRACE=1; it replaces the release build
+#       installed here), run the trace-marks GPU test, then bench/profile_exl3.py moe --trace at each (K, T): the
+#       per-block timeline of one MoE layer, in $OUT/trace.log
 # Logs: $OUT/build.log, $OUT/tests.log, $OUT/bench.log; bench results (JSON, PNG, report.md) in $OUT/bench/.
 # The `run` tool returns at most 8 files from $OUT (2 folders deep): keep what you write there few.
 # Every step runs even if an earlier one failed (one device call should tell as much as possible); the exit
@@ -25,7 +28,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/twinspark-out}"
 mkdir -p "$OUT"
-TESTS="" KEXPR="" BENCH="" BENCH_ARGS="" BUILD=1 ARCHS="${TWINSPARK_CUDA_ARCHS:-90a}" AB="" ENV_AB="" ENV_SETS="" AB_ROUNDS=2
+TESTS="" KEXPR="" BENCH="" BENCH_ARGS="" BUILD=1 ARCHS="${TWINSPARK_CUDA_ARCHS:-90a}" AB="" ENV_AB="" ENV_SETS="" AB_ROUNDS=2 TRACE=""
 while [ $# -gt 0 ]; do
   case "$1" in
     -t) TESTS="$2"; shift 2 ;;
@@ -38,8 +41,15 @@ while [ $# -gt 0 ]; do
     --ab-rounds) AB_ROUNDS="$2"; shift 2 ;;
     --env-ab) ENV_AB="$2"; shift 2 ;;
     --env-sets) ENV_SETS="$2"; shift 2 ;;
+    --trace) TRACE="$2"; shift 2 ;;
     *) echo "device-run.sh: unknown argument $1 (see the header of this script)" >&2; exit 2 ;;
   esac
+done
+for kt in $TRACE; do
+  if ! [[ "$kt" =~ ^[1-8],[0-9]+$ ]]; then
+    echo "device-run.sh: --trace takes K,T pairs (K 1-8, T tokens) such as \"2,1 3,4\", got $kt" >&2
+    exit 2
+  fi
 done
 status=0
 fail() { [ $status -eq 0 ] && status=$1; }
@@ -139,5 +149,18 @@ if [ -n "$BENCH" ]; then
     # shellcheck disable=SC2086
     python3 bench/run.py $BENCH --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || fail 30
   fi
+fi
+
+if [ -n "$TRACE" ]; then
+  t0=$(date +%s)
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) TWINSPARK_CUDA_ARCHS="$ARCHS" TWINSPARK_TRACE=1 \
+    python3 -m pip install --no-build-isolation --no-deps . >"$OUT/build_trace.log" 2>&1 || fail 40
+  so=$(cd /tmp && python3 -c "import twinspark._C as c; print(c.__file__)") && cp "$so" python/twinspark/ || fail 41
+  echo "trace build: $(( $(date +%s) - t0 )) s, status $status" | tee -a "$OUT/build_trace.log"
+  python3 -m pytest -m gpu tests/test_exl3_moe.py -k trace_marks -q -rs -p no:cacheprovider 2>&1 |
+    tee "$OUT/trace.log" || fail 42
+  for kt in $TRACE; do
+    python3 bench/profile_exl3.py moe --K "${kt%,*}" --T "${kt#*,}" --trace 2>&1 | tee -a "$OUT/trace.log" || fail 43
+  done
 fi
 exit $status
