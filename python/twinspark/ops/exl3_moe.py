@@ -229,6 +229,14 @@ def _whole_parts(kblocks: int, parts: int) -> int:
     return -(-kblocks // -(-kblocks // parts))
 
 
+def _four_wanted(switch: str, index: int, down: bool, words: int, sized: tuple, min_a_kb: int) -> bool:
+    """Whether the plan takes mul1's one-rate kernel of `words` (0: none) at 4 blocks per SM: where the device holds
+    4 with at least min_a_kb k-blocks of A region (_four_per_sm; `sized`: its max_words, smem_per_sm, fit_smem).
+    The switch: "0" never, "any" wherever 4 fit, whatever the region."""
+    value = os.environ.get(switch, "")
+    return bool(words) and value != "0" and _four_per_sm(index, down, words, *sized, 0 if value == "any" else min_a_kb)
+
+
 def _config(T: int, top_k: int, E: int, hidden: int, inter: int, index: int, max_words: int, words13: int,
             words2: int, codebook: str) -> tuple[dict, int, int]:
     """plan_launch's configuration for a call on device `index`, with the one-rate kernels' words13 / words2 as the
@@ -251,16 +259,12 @@ def _config(T: int, top_k: int, E: int, hidden: int, inter: int, index: int, max
     # 10 / 8 / 7 k-blocks).
     # TWINSPARK_EXL3_MOE_GATE_UP4=0 / TWINSPARK_EXL3_MOE_DOWN4=0 keep 3 / 2-3; =any takes 4 wherever 4 fit, whatever
     # the region (experiments, tests).
-    gate_up_blocks, down4 = GATE_UP_BLOCKS_PER_SM, False
+    gate_up4 = down4 = False
     if codebook == "mul1" and (words13 or words2):
         sized = (max_words, smem_per_sm_override(), _switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
-        gate_up4 = os.environ.get("TWINSPARK_EXL3_MOE_GATE_UP4", "")
-        if words13 and gate_up4 != "0" and _four_per_sm(index, False, words13, *sized,
-                                                        0 if gate_up4 == "any" else GATE_UP4_MIN_A_KB):
-            gate_up_blocks = GATE_UP4_BLOCKS_PER_SM
-        down4_env = os.environ.get("TWINSPARK_EXL3_MOE_DOWN4", "")
-        down4 = bool(words2) and down4_env != "0" and _four_per_sm(index, True, words2, *sized,
-                                                                    0 if down4_env == "any" else DOWN4_MIN_A_KB)
+        gate_up4 = _four_wanted("TWINSPARK_EXL3_MOE_GATE_UP4", index, False, words13, sized, GATE_UP4_MIN_A_KB)
+        down4 = _four_wanted("TWINSPARK_EXL3_MOE_DOWN4", index, True, words2, sized, DOWN4_MIN_A_KB)
+    gate_up_blocks = GATE_UP4_BLOCKS_PER_SM if gate_up4 else GATE_UP_BLOCKS_PER_SM
     return plan_launch(T, top_k, E, hidden, inter, _sm_count(index), gate_up_blocks, down4), words13, words2
 
 
