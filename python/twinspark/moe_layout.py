@@ -44,11 +44,12 @@ at a time, ``empty(rates, hidden, inter, codebook)`` then ``set_expert`` / ``set
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from twinspark.checks import is_int, is_number
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import Exl3Layer
 
@@ -120,6 +121,7 @@ class Exl3MoeExperts:
 
     def layer(self, e: int, proj: int) -> Exl3Layer:
         """Expert e's gate/up/down as an Exl3Layer of views into the stacked tensors."""
+        _check_index(e, proj, self.num_experts)
         return layer_from_tensors(self.trellis, self.offsets, self.words, self.suh13, self.svh13, self.suh2,
                                   self.svh2, e, proj, self.hidden, self.inter, self.codebook)
 
@@ -152,11 +154,13 @@ def plan(rates: Sequence[Sequence[float]], hidden: int, inter: int) -> tuple[tor
     _check_dims(hidden, inter)
     offsets, words, pos = [], [], 0
     for e, row in enumerate(rates):
-        if len(row) != 3:
-            raise MoeLayoutError(f"moe layout: expert {e} needs 3 rates (gate, up, down), got {len(row)}")
+        if isinstance(row, (str, bytes)) or not isinstance(row, Iterable) or len(row := tuple(row)) != 3:
+            raise MoeLayoutError(f"moe layout: expert {e} needs 3 rates (gate, up, down), got {row!r:.60}")
         o_row, w_row = [], []
         for proj, K in enumerate(row):
             try:
+                if not is_number(K):
+                    raise ValueError(f"K={K!r:.40} is not a finite number")
                 w = ref.words_per_tile(float(K))
             except ValueError as exc:
                 raise MoeLayoutError(f"moe layout: expert {e} {PROJ_NAMES[proj]}: {exc}") from None
@@ -182,18 +186,33 @@ def packed_strides(words13: int, words2: int, hidden: int, inter: int) -> tuple[
 
 
 def _check_dims(hidden: int, inter: int) -> None:
-    if hidden <= 0 or inter <= 0 or hidden % 128 or inter % 128:
+    if not (is_int(hidden) and is_int(inter)) or hidden <= 0 or inter <= 0 or hidden % 128 or inter % 128:
         raise MoeLayoutError(f"moe layout: hidden ({hidden}) and intermediate ({inter}) must be positive multiples "
                              f"of 128 (Hadamard blocks); pad the checkpoint or use a tensor-parallel degree that "
                              f"keeps 128-column blocks whole")
 
 
+def _check_index(e: int, proj: int, num_experts: int) -> None:
+    if not (is_int(e) and 0 <= e < num_experts):
+        raise MoeLayoutError(f"moe layout: expert index {e!r:.40} is outside this layer's {num_experts} experts "
+                             "(0..E-1 on this rank); check the expert ids against config.json and first_expert")
+    if not (is_int(proj) and proj in (GATE, UP, DOWN)):
+        raise MoeLayoutError(f"moe layout: projection {proj!r:.40} is not 0 (gate), 1 (up) or 2 (down)")
+
+
 def empty(rates: Sequence[Sequence[float]], hidden: int, inter: int, codebook: str = "mul1",
           first_expert: int = 0, device=None) -> Exl3MoeExperts:
     """Zero-filled experts with the given per-expert rates [[Kg, Ku, Kd], ...]; fill with ``set_expert``."""
-    if codebook not in ref.CODEBOOKS:
-        raise MoeLayoutError(f"moe layout: codebook must be one of {ref.CODEBOOKS}, got {codebook!r}")
+    if not isinstance(codebook, str) or codebook not in ref.CODEBOOKS:
+        raise MoeLayoutError(f"moe layout: codebook must be one of {ref.CODEBOOKS}, got {codebook!r:.40}")
+    if not is_int(first_expert) or first_expert < 0:
+        raise MoeLayoutError(f"moe layout: first_expert must be an integer >= 0 (the global id of local expert 0), "
+                             f"got {first_expert!r:.40}")
     offsets, words, total = plan(rates, hidden, inter)
+    half = words[words % 16 == 8]  # 16*KA + 8 words per tile: a half rate
+    if codebook != "mul1" and half.numel():
+        raise MoeLayoutError(f"moe layout: half rate K={ref.rate_from_last_dim(int(half[0]))} exists only with the "
+                             f"mul1 codebook (this layer is {codebook}); re-quantize or fix the rates")
     e = offsets.shape[0]
     if e == 0:
         raise MoeLayoutError("moe layout: a MoE layer needs at least one expert")
@@ -209,7 +228,10 @@ def empty(rates: Sequence[Sequence[float]], hidden: int, inter: int, codebook: s
 
 def set_matrix(experts: Exl3MoeExperts, e: int, proj: int, layer: Exl3Layer) -> None:
     """Copy one Exl3Layer (expert e's gate, up or down) into its place; checks shape, K and codebook."""
+    _check_index(e, proj, experts.num_experts)
     where = f"expert {e} {PROJ_NAMES[proj]}"
+    if not isinstance(layer, Exl3Layer):
+        raise MoeLayoutError(f"moe layout: {where} must be an Exl3Layer, got {type(layer).__name__}")
     k, n = matrix_shape(proj, experts.hidden, experts.inter)
     if layer.k != k or layer.n != n:
         raise MoeLayoutError(f"moe layout: {where} ({layer.name or 'layer'}) is {layer.k}x{layer.n}, the layout "
@@ -223,6 +245,10 @@ def set_matrix(experts: Exl3MoeExperts, e: int, proj: int, layer: Exl3Layer) -> 
                              f"{experts.codebook}; all experts of one layer must share a codebook")
     if layer.bias is not None:
         raise MoeLayoutError(f"moe layout: {where} has a bias; routed experts with bias are not supported")
+    for part in ("suh", "svh"):
+        if not bool(torch.isfinite(getattr(layer, part)).all()):
+            raise MoeLayoutError(f"moe layout: {where} has NaN or infinite values in its {part}; re-download the "
+                                 "shard or re-quantize the expert")
     view = experts.layer(e, proj)
     view.trellis.copy_(layer.trellis)
     view.suh.copy_(layer.suh)
@@ -239,6 +265,9 @@ def from_layers(layers: Sequence[tuple[Exl3Layer, Exl3Layer, Exl3Layer]], first_
     """Stack (gate, up, down) Exl3Layer triples of one rank into the layout (dims and codebook from the first)."""
     if not layers:
         raise MoeLayoutError("moe layout: from_layers needs at least one expert")
+    for e, triple in enumerate(layers):
+        if not (isinstance(triple, Sequence) and len(triple) == 3 and all(isinstance(m, Exl3Layer) for m in triple)):
+            raise MoeLayoutError(f"moe layout: expert {e} must be a (gate, up, down) triple of Exl3Layer")
     gate0 = layers[0][0]
     hidden, inter = gate0.k, gate0.n
     experts = empty([[m.K for m in triple] for triple in layers], hidden, inter, gate0.codebook, first_expert,

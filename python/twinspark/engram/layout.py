@@ -10,11 +10,12 @@ level or under an ``"engram"`` key. The synthetic checkpoint generator writes th
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from twinspark.checks import is_int
 from twinspark.engram.errors import EngramError
+from twinspark.fileio import read_json
 
 ENGRAM_LAYERS = (1, 14)
 
@@ -38,9 +39,12 @@ class EngramLayout:
 
     def __post_init__(self):
         for layer, sizes in self.head_sizes.items():
-            if not sizes or any(int(s) <= 0 for s in sizes):
-                raise EngramError(f"Engram layer {layer}: head sizes must be positive integers, got {list(sizes)}; "
-                                  "fix engram_head_sizes in the config")
+            if not is_int(layer) or layer < 0:
+                raise EngramError(f"Engram layer {layer!r:.40} is not a layer number (an integer >= 0); fix "
+                                  "engram_head_sizes in the config")
+            if not isinstance(sizes, tuple) or not sizes or not all(is_int(s) and s > 0 for s in sizes):
+                raise EngramError(f"Engram layer {layer}: head sizes must be a non-empty list of positive integers, "
+                                  f"got {sizes!r:.80}; fix engram_head_sizes in the config")
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -51,7 +55,7 @@ class EngramLayout:
 
     def rank_range(self, layer: int, rank: int, world: int) -> RowRange:
         sizes = self._sizes(layer)
-        if world < 1 or not 0 <= rank < world:
+        if not (is_int(rank) and is_int(world)) or world < 1 or not 0 <= rank < world:
             raise EngramError(f"Engram: rank {rank} is not in 0..{world - 1}; pass --rank between 0 and world-1")
         if len(sizes) < world:
             raise EngramError(f"Engram layer {layer} has {len(sizes)} hash heads, fewer than {world} ranks; "
@@ -68,25 +72,36 @@ class EngramLayout:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "config") -> EngramLayout:
+        """From a parsed config: layer keys are decimal strings (JSON object keys), sizes lists of integers."""
+        if not isinstance(doc, dict):
+            raise EngramError(f"{where} is a JSON {type(doc).__name__}, not an object; pass the model's config.json")
         sizes = doc.get("engram_head_sizes")
         if sizes is None and isinstance(doc.get("engram"), dict):
             sizes = doc["engram"].get("engram_head_sizes", doc["engram"].get("head_sizes"))
         if not isinstance(sizes, dict) or not sizes:
             raise EngramError(f"{where} has no Engram head sizes; add \"engram_head_sizes\": "
                               "{\"1\": [rows of each head], \"14\": [...]}")
+        head_sizes: dict[int, tuple] = {}
+        for key, v in sizes.items():
+            layer = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+            if layer in head_sizes or not isinstance(v, list):
+                raise EngramError(f"{where}: engram_head_sizes must map each layer number once to a list of "
+                                  f"integers, got {key!r:.40}: {v!r:.60}")
+            head_sizes[layer] = tuple(v)
         try:
-            return cls({int(k): tuple(int(s) for s in v) for k, v in sizes.items()})
-        except (TypeError, ValueError):
-            raise EngramError(f"{where}: engram_head_sizes must map layer numbers to lists of integers") from None
+            return cls(head_sizes)
+        except EngramError as exc:
+            raise EngramError(f"{where}: {exc}") from None
 
     @classmethod
     def from_config(cls, path: str | Path) -> EngramLayout:
         p = Path(path)
         try:
-            doc = json.loads(p.read_text())
+            doc = read_json(p)
         except OSError as exc:
             raise EngramError(f"cannot read Engram config {p}: {exc.strerror}; pass --config with the model's "
                               "config.json (it must hold engram_head_sizes)") from None
-        except ValueError:
-            raise EngramError(f"Engram config {p} is not valid JSON; fix or re-download it") from None
+        except ValueError as exc:
+            raise EngramError(f"Engram config {p} is not valid JSON ({exc}); fix or re-download it") from None
         return cls.from_dict(doc, str(p))
+

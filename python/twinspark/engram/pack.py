@@ -16,6 +16,7 @@ refused with an EngramError naming the file and saying to re-run ``invoke pack``
 from __future__ import annotations
 
 import os
+import re
 import struct
 import zlib
 from collections.abc import Callable, Iterable
@@ -27,6 +28,7 @@ import numpy as np
 from twinspark.engram.errors import EngramError
 from twinspark.engram.layout import ENGRAM_LAYERS, EngramLayout, RowRange
 from twinspark.engram.source import RECORD_BYTES, SCALE_BYTES, WEIGHT_BYTES, LayerTensors, locate
+from twinspark.fileio import open_regular
 
 MAGIC = b"TSENGRAM"
 VERSION = 1
@@ -86,16 +88,21 @@ def decode_header(raw: bytes, path: str | Path) -> PackHeader:
                           f"{dtype.decode(errors='replace')}); {REDO}")
     if last < first:
         raise EngramError(f"Engram pack file {path} has an empty row range; {REDO}")
+    if last >= table_rows:
+        raise EngramError(f"Engram pack file {path} holds rows {first}..{last} of a layer of only {table_rows} rows; "
+                          f"{REDO}")
     return PackHeader(layer, first, last, table_rows, version, row_bytes)
 
 
 def read_pack_header(path: str | Path, expect: PackHeader | None = None) -> PackHeader:
-    """The header of a complete pack file, checked against `expect` (layer, rows) and the file's size."""
+    """The header of a complete pack file, checked against `expect` (layer, rows) and the file's size. Without
+    `expect`, a file named as ``pack_name`` names it is checked against its name: the layer, and rows that start
+    at row 0 for rank 0 and end at the table's last row for the last rank."""
     p = Path(path)
     try:
-        with open(p, "rb") as f:
+        with open_regular(p) as f:
             raw = f.read(HEADER_BYTES)
-        size = p.stat().st_size
+            size = os.fstat(f.fileno()).st_size
     except OSError as exc:
         raise EngramError(f"cannot read Engram pack file {p}: {exc.strerror}; run `invoke pack` first") from None
     h = decode_header(raw, p)
@@ -104,6 +111,14 @@ def read_pack_header(path: str | Path, expect: PackHeader | None = None) -> Pack
         raise EngramError(f"Engram pack file {p} holds layer {h.layer} rows {h.first_row}..{h.last_row} of "
                           f"{h.table_rows}, expected layer {expect.layer} rows {expect.first_row}..{expect.last_row} "
                           f"of {expect.table_rows}; {REDO}")
+    named = _NAME.fullmatch(p.name)
+    if expect is None and named:
+        layer, rank, world = (int(x) for x in named.groups())
+        if layer != h.layer or rank >= world or (rank == 0) != (h.first_row == 0) or (
+                rank == world - 1) != (h.last_row == h.table_rows - 1):
+            raise EngramError(f"Engram pack file {p} holds layer {h.layer} rows {h.first_row}..{h.last_row} of "
+                              f"{h.table_rows}, which is not what its name says (layer {layer}, rank {rank} of "
+                              f"{world}); {REDO}")
     if size != h.file_bytes:
         state = "truncated" if size < h.file_bytes else "longer than its header says"
         raise EngramError(f"Engram pack file {p} is {state} ({size} bytes, expected {h.file_bytes}); {REDO}")
@@ -112,6 +127,9 @@ def read_pack_header(path: str | Path, expect: PackHeader | None = None) -> Pack
 
 def pack_name(layer: int, rank: int, world: int) -> str:
     return f"engram-layer{layer:02d}-rank{rank}of{world}.tspack"
+
+
+_NAME = re.compile(r"engram-layer(\d+)-rank(\d+)of(\d+)\.tspack")
 
 
 @dataclass(frozen=True)
@@ -131,6 +149,10 @@ def pack_range(tensors: LayerTensors, rows: RowRange, out_path: str | Path, *,
         raise EngramError(f"Engram layer {tensors.layer} has {tensors.rows} rows in {tensors.weight.path}, but the "
                           f"config puts this rank's rows up to {rows.end_row}; the config's head sizes do not "
                           "match this checkpoint")
+    part = out.with_name(out.name + ".partial")
+    for p in (out, part):
+        if p.exists() and not p.is_file():
+            raise EngramError(f"{p} exists and is not a regular file; remove it or pack into another folder")
     if out.exists():
         try:
             read_pack_header(out, header)
@@ -140,11 +162,10 @@ def pack_range(tensors: LayerTensors, rows: RowRange, out_path: str | Path, *,
     if dry_run:
         return PackResult(out, header, "would write", header.rows)
     out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_name(out.name + ".partial")
     encoded = header.encode()
     done, status = 0, "written"
     if part.exists():
-        with open(part, "rb") as f:
+        with open_regular(part) as f:
             if f.read(HEADER_BYTES) == encoded:
                 done = min(header.rows, (part.stat().st_size - HEADER_BYTES) // RECORD_BYTES)
                 status = "resumed" if done > 0 else status

@@ -7,11 +7,11 @@ is present, otherwise every ``*.safetensors`` header in the directory is read.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from twinspark.engram.errors import EngramError
+from twinspark.fileio import read_json
 from twinspark.safetensors_io import SafetensorsError, TensorInfo, read_header, shard_files
 
 WEIGHT_BYTES = 256
@@ -59,7 +59,7 @@ def locate(checkpoint: str | Path, layer: int) -> LayerTensors:
         raise EngramError(f"{checkpoint} has no tensor {missing[0]}; point at the original checkpoint's shards "
                           "47 and 48 (with model.safetensors.index.json)")
     w, s = found[names[0]], found[names[1]]
-    if w.dtype != "F8_E4M3" or len(w.shape) != 2 or w.shape[1] != WEIGHT_BYTES:
+    if w.dtype != "F8_E4M3" or len(w.shape) != 2 or w.shape[1] != WEIGHT_BYTES or w.shape[0] < 1:
         raise EngramError(f"{w.name} in {w.path} is {w.dtype} {list(w.shape)}, expected F8_E4M3 [rows, 256]; "
                           "this is not the original Engram checkpoint")
     if s.dtype not in ("U8", "F8_E8M0") or list(s.shape) != [w.shape[0], SCALE_BYTES]:
@@ -72,12 +72,25 @@ def _candidate_files(root: Path, names: tuple[str, ...]) -> list[Path]:
     index = root / INDEX_NAME if root.is_dir() else None
     if index is not None and index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise EngramError(f"{index} is unreadable or has no weight_map; re-download it") from None
-        files = sorted({weight_map[n] for n in names if n in weight_map})
+            doc = read_json(index)
+        except OSError as exc:
+            raise EngramError(f"cannot read {index}: {exc.strerror}; re-download it") from None
+        except ValueError as exc:
+            raise EngramError(f"{index} is not valid JSON ({exc}); re-download it") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise EngramError(f"{index} has no weight_map object (tensor name -> shard file); re-download it")
+        files = set()
+        for n in names:
+            f = weight_map.get(n)
+            if f is None:
+                continue
+            if not isinstance(f, str) or f in ("", ".", "..") or "/" in f or not (root / f).is_file():
+                raise EngramError(f"{index} puts {n} in {f!r:.80}, which is not a shard file in {root}; download "
+                                  "that shard or re-download the index")
+            files.add(f)
         if files:
-            return [root / f for f in files]
+            return [root / f for f in sorted(files)]
     try:
         return shard_files(root)
     except SafetensorsError as exc:

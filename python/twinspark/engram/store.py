@@ -17,11 +17,13 @@ of the GPU's 128 GB.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from twinspark import _ext
+from twinspark.checks import is_int, is_number
 from twinspark.engram.errors import EngramError
 from twinspark.engram.layout import RowRange
 from twinspark.engram.pack import PackHeader, read_pack_header
@@ -35,6 +37,11 @@ PINNED_BYTES_PER_ROW = 8 + WEIGHT_BYTES + SCALE_BYTES  # id + weight + scale
 def staging_pinned_bytes(capacity: int) -> int:
     """Pinned bytes of one staging buffer of `capacity` rows (what a graph-capturable lookup costs)."""
     return capacity * PINNED_BYTES_PER_ROW
+
+
+def _is_extent(e) -> bool:
+    return (isinstance(e, tuple) and len(e) == 5 and isinstance(e[0], str)
+            and all(is_int(x) for x in e[1:]))
 
 
 def _host_ids(ids, op: str) -> torch.Tensor:
@@ -88,21 +95,28 @@ class EngramStore:
 
     def __init__(self, extents, first_row: int, end_row: int, *, threads: int = 16, cache_gib: float = 0.0,
                  io_mode: str = "auto", queue_depth: int = 32, io_engine: str = "auto"):
-        if io_mode not in IO_MODES:
-            raise EngramError(f"Engram store: io_mode must be one of {IO_MODES}, got {io_mode!r}")
-        if io_engine not in IO_ENGINES:
-            raise EngramError(f"Engram store: io_engine must be one of {IO_ENGINES}, got {io_engine!r}")
-        if not 1 <= int(threads) <= 1024:
-            raise EngramError(f"Engram store: threads must be 1..1024, got {threads}")
-        if not 1 <= int(queue_depth) <= 1024:
-            raise EngramError(f"Engram store: queue_depth must be 1..1024, got {queue_depth}")
-        if cache_gib < 0:
-            raise EngramError(f"Engram store: cache_gib must be >= 0 (0 = off), got {cache_gib}")
+        for name, value, choices in (("io_mode", io_mode, IO_MODES), ("io_engine", io_engine, IO_ENGINES)):
+            if not isinstance(value, str) or value not in choices:
+                raise EngramError(f"Engram store: {name} must be one of {choices}, got {value!r:.40}")
+        for name, value in (("threads", threads), ("queue_depth", queue_depth)):
+            if not is_int(value) or not 1 <= value <= 1024:
+                raise EngramError(f"Engram store: {name} must be 1..1024 (an integer), got {value!r:.40}")
+        ram_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        if not is_number(cache_gib) or not 0 <= cache_gib <= ram_gib:
+            raise EngramError(f"Engram store: cache_gib must be >= 0 (0 = off) and at most this machine's "
+                              f"{ram_gib:.1f} GiB of memory, got {cache_gib!r:.40}")
+        if not (is_int(first_row) and is_int(end_row)):
+            raise EngramError(f"Engram store: rows [{first_row!r:.40}, {end_row!r:.40}) must be integers")
+        if not isinstance(extents, (list, tuple)) or not all(_is_extent(e) for e in extents):
+            raise EngramError("Engram store: extents must be a list of (path, base, stride, length, record offset) "
+                              "tuples; build the store with from_checkpoint or from_pack")
         try:
             self._c = _ext.module().EngramStore(list(extents), int(first_row), int(end_row), int(threads),
                                                 int(cache_gib * 2**30), io_mode, int(queue_depth), io_engine)
         except (RuntimeError, ValueError) as exc:
             raise EngramError(str(exc)) from None
+        except MemoryError:
+            raise EngramError(f"Engram store: no memory for a {cache_gib} GiB cache; use a smaller cache_gib") from None
         self._staging: list[EngramStaging] = []
 
     @classmethod
@@ -110,9 +124,16 @@ class EngramStore:
                         **kw) -> EngramStore:
         """Rows of `layer` straight from the original shards; rows: this rank's range (default: all rows)."""
         t = locate(checkpoint, layer)
-        first, end = (0, t.rows) if rows is None else (rows[0], rows[1]) if isinstance(rows, tuple) else (
-            rows.first_row, rows.end_row)
-        if not 0 <= first < end <= t.rows:
+        if rows is None:
+            first, end = 0, t.rows
+        elif isinstance(rows, RowRange):
+            first, end = rows.first_row, rows.end_row
+        elif isinstance(rows, tuple) and len(rows) == 2:
+            first, end = rows
+        else:
+            raise EngramError(f"Engram layer {layer}: rows must be a RowRange or (first_row, end_row), got "
+                              f"{rows!r:.60}")
+        if not (is_int(first) and is_int(end) and 0 <= first < end <= t.rows):
             raise EngramError(f"Engram layer {layer}: rows [{first}, {end}) are outside the table's {t.rows} rows; "
                               "the config's head sizes do not match this checkpoint")
         return cls(t.extents(), first, end, **kw)
@@ -176,11 +197,11 @@ class EngramStaging:
     that captured it). fetch() enqueues on the current stream and returns without waiting."""
 
     def __init__(self, store: EngramStore, capacity: int):
+        if not is_int(capacity) or capacity < 1:
+            raise EngramError(f"Engram staging: capacity must be an integer >= 1 row, got {capacity!r:.40}")
         if not _ext.with_cuda():
             raise EngramError("Engram staging needs the CUDA build of twinspark (this build is CPU-only); use "
                               "EngramStore.lookup for host lookups")
-        if capacity < 1:
-            raise EngramError(f"Engram staging: capacity must be >= 1 row, got {capacity}")
         try:
             self._slot = _ext.module().EngramSlot(store._c, int(capacity))
         except RuntimeError as exc:

@@ -27,6 +27,12 @@ def _fix(msg: str) -> str:
     return f"{msg}; re-download the shard or re-quantize the layer"
 
 
+def require_finite(t: torch.Tensor, name: str) -> None:
+    """Refuse NaN or inf in a scale (suh, svh) or bias: one such value turns every output of the layer into NaN."""
+    if not bool(torch.isfinite(t).all()):
+        raise Exl3FormatError(_fix(f"tensor {name} holds NaN or infinite values"))
+
+
 def _signs_to_scales(packed: torch.Tensor, count: int) -> torch.Tensor:
     """Legacy su/sv: int16 words, bit i of word w is channel 16w+i, set = -1 -> float16 +-1 [count]."""
     words = packed.to(torch.int64) & 0xFFFF
@@ -77,6 +83,7 @@ def validate_layer(tensors: Mapping[str, torch.Tensor], prefix: str) -> Exl3Laye
             if tuple(t.shape) != (count,):
                 raise Exl3FormatError(_fix(f"tensor {prefix}.{full} has shape {list(t.shape)}, expected [{count}] "
                                            f"to match {prefix}.trellis {list(trellis.shape)}"))
+            require_finite(t, f"{prefix}.{full}")
             return t
         t = get(legacy)
         if t is None:
@@ -96,12 +103,13 @@ def validate_layer(tensors: Mapping[str, torch.Tensor], prefix: str) -> Exl3Laye
             raise Exl3FormatError(_fix(f"tensor {prefix}.bias must be float16, got {bias.dtype}"))
         if tuple(bias.shape) != (n,):
             raise Exl3FormatError(_fix(f"tensor {prefix}.bias has shape {list(bias.shape)}, expected [{n}]"))
+        require_finite(bias, f"{prefix}.bias")
     return Exl3Layer(trellis, suh, svh, K, codebook, bias, name=prefix)
 
 
 def read_layer(source, prefix: str) -> Exl3Layer:
     """Read and validate layer `prefix` from a .safetensors file, a list of files or a checkpoint directory."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         index = index_tensors(source)
@@ -115,9 +123,12 @@ def read_layer(source, prefix: str) -> Exl3Layer:
     for name, info in wanted.items():
         by_file.setdefault(info.path, []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for name in names:
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:  # the header was checked: the file changed or cannot be read
+            raise Exl3FormatError(_fix(f"cannot read layer {prefix} from {path} ({exc})")) from None
     return validate_layer(tensors, prefix)
 
 

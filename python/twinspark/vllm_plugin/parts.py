@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from twinspark.exl3 import reference as ref
-from twinspark.exl3.format import MARKERS, Exl3FormatError, _signs_to_scales
+from twinspark.exl3.format import MARKERS, Exl3FormatError, _signs_to_scales, require_finite
 from twinspark.exl3.layer import Exl3Layer
 
 SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
@@ -82,6 +82,7 @@ class Exl3Parts:
         elif suffix in ("suh", "svh"):
             if t.dtype != torch.float16 or t.dim() != 1:
                 raise _err(f"tensor {n} must be float16 [channels], got {t.dtype} {list(t.shape)}")
+            require_finite(t, n)
             self.full[suffix] = (t.shape[0],)
             t = self._cut(t, 0, self.cut_k if suffix == "suh" else self.cut_n, t.shape[0], suffix)
         elif suffix in ("su", "sv"):
