@@ -94,7 +94,7 @@ def invoke(task: str, flags: dict[str, str], *extra: str, timeout: float = 400,
     for k, v in flags.items():
         argv += ["--set", f"{k}={v}"]
     env = {k: v for k, v in os.environ.items() if k.upper() not in _SETTING_KEYS}
-    env["TWINSPARK_ENV_FILE"] = str(Path(flags.get("STATE_DIR", "/nonexistent")) / "no.env")
+    env["TWINSPARK_ENV_FILE"] = ""  # no .env: only the flags and the recipe
     env.update(env_extra or {})
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 

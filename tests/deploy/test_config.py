@@ -139,7 +139,7 @@ def test_invoke_config_prints_value_and_source(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k.lower() not in config.Settings.model_fields}
-    env |= {"MAX_NUM_SEQS": "4", "TWINSPARK_ENV_FILE": str(tmp_path / "none")}
+    env |= {"MAX_NUM_SEQS": "4", "TWINSPARK_ENV_FILE": ""}  # empty: no .env
     r = subprocess.run([sys.executable, "-m", "invoke", "config", "--recipe", "exl3-2.9bpw", "--set", "BLOCK_SIZE=32"],
                        cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr

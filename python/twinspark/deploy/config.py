@@ -8,23 +8,20 @@ value came from and what is allowed.
 
 from __future__ import annotations
 
+import io
 import ipaddress
+import math
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    DotEnvSettingsSource,
-    EnvSettingsSource,
-    InitSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from twinspark.deploy.errors import DeployError
+from twinspark.fileio import open_regular, parse_json
 from twinspark.paths import project_root
 
 if sys.version_info >= (3, 11):
@@ -135,18 +132,69 @@ class Settings(BaseSettings):
     long_prefill_tokens: int = Field(8192, ge=1, description="release once after a prefill of >= this many tokens")
 
     # ------------------------------------------------------------------ validators
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_number(cls, v: Any, info) -> Any:
+        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in (int, float):
+            raise ValueError("must be a number, not true/false")
+        return v
+
     @field_validator("vllm_env", "head_env", "worker_env", mode="before")
     @classmethod
     def _json_dict(cls, v: Any) -> Any:
-        if isinstance(v, str):  # flags and .env give text: a JSON object
-            import json
-
+        if isinstance(v, str):  # flags, environment and .env give text: a JSON object
             try:
-                v = json.loads(v) if v.strip() else {}
-            except json.JSONDecodeError:
+                v = parse_json(v.encode("utf-8", "surrogateescape")) if v.strip() else {}
+            except ValueError:
                 raise ValueError('must be a JSON object like {"KEY": "value"}') from None
         if isinstance(v, dict):
+            if not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v.values()):
+                raise ValueError('must map names to strings or numbers, like {"KEY": "value"} (no nested objects, '
+                                 'lists, true/false or null)')
             return {str(k): str(x) for k, x in v.items()}
+        return v
+
+    @field_validator("model_dir", "state_dir", "wheel_dir", "log_dir", "sysfs_root", "served_model_name", "ssh_user",
+                     "image", "vllm_python", "runtime", "sync", "api_host", "py_spy", mode="before")
+    @classmethod
+    def _not_empty(cls, v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("worker_model_dir", "engram_dir", "ssh_key", "worker_state_dir", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and not v.strip() else v  # `KEY=` in .env: the default (None)
+
+    @field_validator("ssh_user")
+    @classmethod
+    def _ssh_user(cls, v: str) -> str:
+        if v.startswith("-") or any(c.isspace() for c in v):
+            raise ValueError("must be a user name (no spaces, not starting with '-')")
+        return v
+
+    @field_validator("ssh_options")
+    @classmethod
+    def _ssh_options(cls, v: str) -> str:
+        if any("=" not in o or o.startswith(("=", "-")) for o in v.split()):
+            raise ValueError("must be space-separated ssh -o options, each KEY=VALUE")
+        return v
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _graph_sizes(cls, v: str) -> str:
+        if not all(x.isascii() and x.isdigit() and int(x) > 0 for x in v.split()):
+            raise ValueError("must be space-separated positive integers like '1 2 4 8'")
+        return v
+
+    @field_validator("extra_vllm_args")
+    @classmethod
+    def _shell_words(cls, v: str) -> str:
+        try:
+            shlex.split(v)
+        except ValueError as exc:
+            raise ValueError(f"must split into shell words ({exc})") from None
         return v
 
     @field_validator("max_model_len")
@@ -178,11 +226,32 @@ class Settings(BaseSettings):
         effort_value(v)
         return str(v).strip().lower()
 
-    @field_validator("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel")
+    @field_validator("max_num_seqs", "max_num_batched_tokens", "block_size", "health_timeout_s", "silence_s")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:
             raise ValueError("must be a positive integer")
+        return v
+
+    @field_validator("kv_cache_bytes", "head_gid_index", "worker_gid_index", "num_speculative_tokens")
+    @classmethod
+    def _not_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("must be an integer >= 0")
+        return v
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v not in (1, 2):
+            raise ValueError("must be 1 or 2 (one rank per node, two nodes)")
+        return v
+
+    @field_validator("memguard_min_gib", "boot_margin_gib", "release_below_gib")
+    @classmethod
+    def _gib(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError("must be a finite number of GiB >= 0")
         return v
 
     @field_validator("temperature")
@@ -226,7 +295,7 @@ def effort_value(v: Any) -> int:
     s = str(v).strip().lower()
     if s in EFFORT_NAMES:
         return EFFORT_NAMES[s]
-    if s.isdigit() and 1 <= int(s) <= 100:
+    if s.isascii() and s.isdigit() and 1 <= int(s) <= 100:
         return int(s)
     raise ValueError("must be low, high, max or an integer 1..100")
 
@@ -237,7 +306,7 @@ def recipe_path(name: str) -> Path:
         cand = p
     else:
         cand = CONFIG_DIR / f"{name}.toml"
-    if not cand.is_file():
+    if not cand.exists():
         known = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.toml"))) or "none"
         raise DeployError(f"Recipe '{name}' was not found ({cand}); use one of: {known}, or a path to a .toml file.")
     return cand
@@ -246,10 +315,31 @@ def recipe_path(name: str) -> Path:
 def read_recipe(name: str) -> dict[str, Any]:
     path = recipe_path(name)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(_read_text(path, "Recipe"))
     except tomllib.TOMLDecodeError as e:
         raise DeployError(f"Recipe {path} is not valid TOML ({e}); fix the file.") from None
     return {k.lower(): v for k, v in data.items()}
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A settings file's text: a regular file (a FIFO would hang the read) of UTF-8."""
+    try:
+        with open_regular(path) as f:
+            raw = f.read()
+    except OSError as e:
+        raise DeployError(f"{what} {path} cannot be read: {e.strerror}; pass a readable file.") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DeployError(f"{what} {path} is not UTF-8 text (byte {e.start}); save it as UTF-8.") from None
+
+
+def _read_dotenv(path: Path) -> dict[str, Any]:
+    """KEY=VALUE lines of a .env file (python-dotenv's syntax), keys lower-cased, values as text."""
+    from dotenv import dotenv_values
+
+    values = dotenv_values(stream=io.StringIO(_read_text(path, ".env file")))
+    return {k.lower(): v for k, v in values.items() if v is not None}  # a bare `KEY` line sets nothing
 
 
 class _DictSource(PydanticBaseSettingsSource):
@@ -274,10 +364,9 @@ def _layers(flags: dict[str, Any], env_file: Path | None) -> dict[str, dict[str,
     unknown = sorted(k for k in flags if k not in Settings.model_fields)
     if unknown:
         raise DeployError(f"Unknown setting {unknown[0].upper()}; `invoke config` lists every key.")
-    env = EnvSettingsSource(Settings, case_sensitive=False)()
-    dot: dict[str, Any] = {}
-    if env_file is not None and Path(env_file).is_file():
-        dot = DotEnvSettingsSource(Settings, env_file=env_file, case_sensitive=False)()
+    # Raw text from the environment and .env, JSON objects included: the validators parse and judge every value.
+    env = {k.lower(): v for k, v in os.environ.items() if k.lower() in Settings.model_fields}
+    dot = _read_dotenv(env_file) if env_file is not None else {}
     recipe_name = flags.get("recipe") or env.get("recipe") or dot.get("recipe") or Settings.model_fields["recipe"].default
     recipe = read_recipe(str(recipe_name))
     bad = sorted(k for k in recipe if k not in Settings.model_fields)
@@ -289,9 +378,15 @@ def _layers(flags: dict[str, Any], env_file: Path | None) -> dict[str, dict[str,
 def load(flags: dict[str, Any] | None = None, env_file: Path | str | None = "") -> tuple[Settings, dict[str, str]]:
     """Effective settings and, per key, the source that set it (flag, environment, .env, recipe or default).
 
-    env_file "" means TWINSPARK_ENV_FILE or `.env` in the current directory; None means no .env at all."""
+    env_file "" means TWINSPARK_ENV_FILE or `.env` in the current directory; None (or an empty TWINSPARK_ENV_FILE)
+    means no .env at all. A file named by either must exist; only the default `.env` may be absent."""
     if env_file == "":
-        env_file = os.environ.get("TWINSPARK_ENV_FILE", ".env")
+        env_file = os.environ.get("TWINSPARK_ENV_FILE")
+        if env_file is None and not Path(".env").exists():
+            env_file = None  # the default .env is optional; one named by TWINSPARK_ENV_FILE or env_file is not
+    if env_file and not Path(env_file).exists():
+        raise DeployError(f"The .env file {env_file} does not exist; create it, or unset TWINSPARK_ENV_FILE (an "
+                          "empty TWINSPARK_ENV_FILE means no .env).")
     layers = _layers(flags or {}, Path(env_file) if env_file else None)
 
     class _S(Settings):
@@ -325,7 +420,8 @@ def _sentence(e: ValidationError, layers: dict[str, dict[str, Any]]) -> str:
     more = f" ({len(e.errors()) - 1} more error(s) after fixing this one)" if len(e.errors()) > 1 else ""
     where = {"flag": "the task flag", "environment": "the environment variable", ".env": ".env",
              "recipe": "the recipe file", "default": "the default (report this)"}[src]
-    return f"{str(loc).upper()}={val!r} (from {src}) is invalid: {msg}; fix {where}{more}."
+    shown = repr(val) if len(repr(val)) <= 80 else repr(val)[:77] + "..."
+    return f"{str(loc).upper()}={shown} (from {src}) is invalid: {msg}; fix {where}{more}."
 
 
 def describe(where: dict[str, str], s: Settings) -> list[tuple[str, str, str]]:
