@@ -74,7 +74,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from twinspark.fileio import atomic_write
+from twinspark.fileio import atomic_write, read_json
 from twinspark.paths import project_root
 
 L2_COLD_BYTES = 256 * 1024 * 1024  # >= 4x the largest L2 we run on (H200: 60 MB)
@@ -479,7 +479,7 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     """A results file back: {"name", "machine", "ceilings", "records": [Record, ...]}."""
     p = Path(path)
     try:
-        doc = json.loads(p.read_text())
+        doc = read_json(p)  # a regular file only: a FIFO would block the reader
         doc["records"] = [Record.from_json(r) for r in doc["records"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BenchError(f"{p} is not a benchkit results file ({e}); re-run the benchmark that wrote it") from None

@@ -9,13 +9,14 @@ the context limit fits, and a MemAvailable forecast per rank.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from twinspark.checks import is_int, is_number
+from twinspark.fileio import read_json
 from twinspark.safetensors_io import SafetensorsError, TensorInfo, index_tensors, shard_files
 
 GiB = 1 << 30
@@ -91,14 +92,33 @@ class Budget:
         return self.mem_available - self.weights_per_rank - self.kv_pool_bytes - self.overhead_bytes
 
 
+# config.json fields the budget and the forecast compute with, and the least each may be (absent or null: unused)
+CONFIG_INTS = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 1,
+               "hidden_size": 1, "vocab_size": 1, "kv_lora_rank": 1, "qk_rope_head_dim": 0, "num_experts_per_tok": 1,
+               "n_routed_experts": 1, "num_experts": 1}
+
+
 def read_config(model_dir: Path) -> dict:
+    """config.json of a checkpoint folder ({} when there is none), its fields in CONFIG_INTS checked."""
     p = model_dir / "config.json"
-    if not p.is_file():
+    if not p.exists():
         return {}
     try:
-        return json.loads(p.read_text())
+        cfg = read_json(p)
+    except OSError as e:
+        raise SafetensorsError(f"cannot read {p}: {e.strerror}; re-download it") from None
     except ValueError as e:
         raise SafetensorsError(f"{p} is not valid JSON ({e}); re-download it") from None
+    if not isinstance(cfg, dict):
+        raise SafetensorsError(f"{p} is a JSON {type(cfg).__name__}, not an object; re-download it")
+    for key, least in CONFIG_INTS.items():
+        v = cfg.get(key)
+        if v is not None and not (is_int(v) and v >= least):
+            raise SafetensorsError(f"{p}: {key} is {v!r:.40}, not an integer >= {least}; fix or re-download it")
+    arch = cfg.get("architectures")
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise SafetensorsError(f"{p}: architectures is {arch!r:.40}, not a list of names; fix or re-download it")
+    return cfg
 
 
 def kv_token_bytes(cfg: dict, kv_dtype: str, tp: int) -> tuple[float, str]:
@@ -116,14 +136,18 @@ def kv_token_bytes(cfg: dict, kv_dtype: str, tp: int) -> tuple[float, str]:
             return float(FP8_DS_MLA_LAYER_BYTES * layers), f"MLA fp8_ds_mla, {layers} layers x 656 B"
         if kv_dtype not in size:
             raise SafetensorsError(f"unknown KV cache dtype {kv_dtype!r}; use auto, fp8 or fp8_ds_mla")
-        width = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 64))
+        rope = cfg.get("qk_rope_head_dim")
+        width = int(cfg["kv_lora_rank"]) + (64 if rope is None else int(rope))
         return float(width * size[kv_dtype] * layers), f"MLA, {layers} layers x {width} values x {size[kv_dtype]} B"
     if kv_dtype not in size:
         raise SafetensorsError(f"KV cache dtype {kv_dtype!r} does not apply to this model; use auto or fp8")
     heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 0)
-    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // max(int(cfg.get("num_attention_heads", 1)), 1))
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size") or 0) // int(cfg.get("num_attention_heads") or 1))
     per_rank_heads = max(heads // tp, 1) if heads >= tp else heads  # fewer KV heads than ranks: replicated
     b = 2 * per_rank_heads * head_dim * size[kv_dtype] * layers
+    if not b:
+        raise SafetensorsError(f"config.json gives no KV heads or a head size of 0 ({per_rank_heads} heads x {head_dim}); "
+                               "pass --kv-token-bytes")
     return float(b), f"{layers} layers x K+V x {per_rank_heads} heads x {head_dim} x {size[kv_dtype]} B"
 
 
@@ -142,8 +166,17 @@ def analyze(model_dir: str | os.PathLike, *, tp: int = 2, kv_bytes: int = 2_684_
             engram_dir: str | os.PathLike | None = None, mem_available: int | None = None,
             overhead_bytes: int = 6 * GiB, boot_margin_bytes: int = 12 * GiB) -> Budget:
     """Read every shard header of model_dir (and engram_dir) and compute the budget for tensor parallel ``tp``."""
-    if tp < 1 or kv_bytes < 0 or max_model_len < 1 or block_size < 1:
-        raise SafetensorsError("tp, max_model_len and block_size must be positive and kv_bytes not negative")
+    ints = {"tp": (tp, 1), "kv_bytes": (kv_bytes, 0), "max_model_len": (max_model_len, 1),
+            "block_size": (block_size, 1), "overhead_bytes": (overhead_bytes, 0),
+            "boot_margin_bytes": (boot_margin_bytes, 0), "mem_available": (0 if mem_available is None else mem_available, 0)}
+    for name, (v, least) in ints.items():
+        if not (is_int(v) and v >= least):
+            raise SafetensorsError(f"budget: {name} must be an integer >= {least}, got {v!r:.40}")
+    if kv_token_override is not None and not (is_number(kv_token_override) and kv_token_override > 0):
+        raise SafetensorsError(f"budget: the KV bytes per token must be a finite number > 0, got "
+                               f"{kv_token_override!r:.40}")
+    if not isinstance(kv_dtype, str):
+        raise SafetensorsError(f"budget: kv_dtype must be a name like fp8_ds_mla, got {kv_dtype!r:.40}")
     d = Path(model_dir)
     if not d.is_dir():
         raise SafetensorsError(f"{d} is not a directory; pass the checkpoint folder")
@@ -170,7 +203,7 @@ def analyze(model_dir: str | os.PathLike, *, tp: int = 2, kv_bytes: int = 2_684_
         total[c] += t.nbytes
         per_rank[c] += math.ceil(t.nbytes / split)
         params[c] += weight_count(t) // split
-    if kv_token_override:
+    if kv_token_override is not None:
         per_tok, src = float(kv_token_override), "--kv-token-bytes"
     else:
         per_tok, src = kv_token_bytes(cfg, kv_dtype, tp)

@@ -5,6 +5,7 @@ error raises ``Failed`` with one sentence (tasks.py turns it into ``invoke.Exit`
 from __future__ import annotations
 
 import datetime as dt
+import math
 from pathlib import Path
 
 from twinspark.client.http import Api, ClientError, resolve_api_key
@@ -35,9 +36,34 @@ def _size(text: str | int | None, what: str) -> int | None:
             s, mult = s[: -len(suffix)], m
             break
     try:
-        return int(float(s) * mult)
+        size = float(s) * mult
     except ValueError:
-        raise Failed(f"{what} must be a size like 2.5GiB or a byte count, got {text!r}") from None
+        size = math.nan
+    if not (math.isfinite(size) and size >= 0):
+        raise Failed(f"{what} must be a size like 2.5GiB or a byte count, got {text!r}")
+    return int(size)
+
+
+def _int(text, what: str, least: int = 1) -> int:
+    """A flag's integer (invoke passes text or an int), at least `least`."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise Failed(f"{what} must be an integer >= {least}, got {text!r}")
+    return value
+
+
+def _number(text, what: str) -> float:
+    """A flag's finite number >= 0."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise Failed(f"{what} must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def endpoint(url: str | None, recipe: str | None = None) -> tuple[str, Path | None]:
@@ -138,17 +164,19 @@ def bench_long(url=None, api_key=None, flags=None, max_model_len=None, out="benc
 def _budget(model_dir, tp, kv_bytes, kv_token_bytes, max_model_len, engram_dir, mem_available_gib, kv_dtype):
     from twinspark.client import budget as bg
 
+    kv_token = _number(kv_token_bytes, "--kv-token-bytes") if kv_token_bytes else None
+    mem = int(_number(mem_available_gib, "--mem-available-gib") * GiB) if mem_available_gib else None
     try:
-        return bg.analyze(model_dir, tp=int(tp), kv_bytes=_size(kv_bytes, "--kv-bytes"), kv_dtype=kv_dtype,
-                          kv_token_override=float(kv_token_bytes) if kv_token_bytes else None,
-                          max_model_len=int(max_model_len), engram_dir=engram_dir,
-                          mem_available=int(float(mem_available_gib) * GiB) if mem_available_gib else None)
+        return bg.analyze(model_dir, tp=_int(tp, "--tp"), kv_bytes=_size(kv_bytes, "--kv-bytes"), kv_dtype=kv_dtype,
+                          kv_token_override=kv_token, max_model_len=_int(max_model_len, "--max-model-len"),
+                          engram_dir=engram_dir, mem_available=mem)
     except SafetensorsError as e:
         raise Failed(str(e)) from None
 
 
 def budget(model_dir, tp=2, kv_bytes="2.5GiB", kv_token_bytes=None, max_model_len=600_000, engram_dir=None,
            mem_available_gib=None, kv_dtype="fp8_ds_mla", with_forecast=False) -> int:
+    from twinspark import benchkit as bk
     from twinspark.client import budget as bg
 
     b = _budget(model_dir, tp, kv_bytes, kv_token_bytes, max_model_len, engram_dir, mem_available_gib, kv_dtype)
@@ -156,8 +184,12 @@ def budget(model_dir, tp=2, kv_bytes="2.5GiB", kv_token_bytes=None, max_model_le
     if with_forecast:
         from twinspark.client import forecast as fc
 
+        try:
+            f = fc.forecast(b)
+        except (bk.BenchError, SafetensorsError) as e:
+            raise Failed(str(e)) from None
         print()
-        print(fc.report(fc.forecast(b), b))
+        print(fc.report(f, b))
     return 0 if b.context_fits and (b.mem_after_boot is None or b.mem_after_boot >= 0) else 1
 
 
@@ -167,10 +199,10 @@ def forecast(model_dir, tp=2, overhead_ms=0.0, gb10_gbps=273.0, decode_results=N
 
     b = _budget(model_dir, tp, "2.5GiB", None, 600_000, None, 0, "fp8_ds_mla")
     try:
-        f = fc.forecast(b, overhead_ms=float(overhead_ms), gb10_gbps=float(gb10_gbps),
+        f = fc.forecast(b, overhead_ms=_number(overhead_ms, "--overhead-ms"), gb10_gbps=_number(gb10_gbps, "--gb10-gbps"),
                         decode_results=Path(decode_results) if decode_results else None,
                         moe_results=Path(moe_results) if moe_results else None)
-    except bk.BenchError as e:
+    except (bk.BenchError, SafetensorsError) as e:
         raise Failed(str(e)) from None
     print(fc.report(f, b))
     return 0

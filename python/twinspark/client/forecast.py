@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from twinspark import benchkit as bk
+from twinspark.checks import is_int, is_number
 from twinspark.client.budget import Budget
+from twinspark.safetensors_io import SafetensorsError
 
 GB10_GBPS = 273.0  # LPDDR5X spec bandwidth
 GB10_COPY_FRACTION = 0.9  # copy ceiling / spec bandwidth assumed for GB10 (H200: 4260 of 4800 GB/s = 0.89)
@@ -46,13 +48,22 @@ class Forecast:
     prefill_source: str
 
 
+def _positive(x) -> bool:
+    return is_number(x) and x > 0
+
+
+def _usable(doc: dict) -> list[tuple[dict, float]]:
+    """(shape, median µs) of the records of a results file that a forecast can use (a shape, a time > 0)."""
+    return [(r.shape, r.median_us) for r in doc["records"] if isinstance(r.shape, dict) and _positive(r.median_us)]
+
+
 def h200_decode_rate(results: Path | None = None, anchors: bk.Anchors | None = None) -> tuple[float, str]:
     """Median weights per second an m=1 EXL3 GEMM decodes on the H200: from a bench results file when given
     (records with k, n and m=1), else from the upstream anchors."""
     if results is not None:
         doc = bk.load_results(results)
-        rates = [r.shape["k"] * r.shape["n"] / (r.median_us * 1e-6) for r in doc["records"]
-                 if {"k", "n"} <= set(r.shape) and r.shape.get("m", 1) == 1]
+        rates = [shape["k"] * shape["n"] / (us * 1e-6) for shape, us in _usable(doc)
+                 if is_int(shape.get("k")) and is_int(shape.get("n")) and shape.get("m", 1) == 1]
         if rates:
             return statistics.median(rates), f"median of {len(rates)} m=1 records in {results}"
     a = anchors or bk.load_anchors()
@@ -64,9 +75,9 @@ def h200_prefill_us_per_token(results: Path | None = None, anchors: bk.Anchors |
     """Routed-expert layer µs per token at T=512 on the H200."""
     if results is not None:
         doc = bk.load_results(results)
-        rows = [r for r in doc["records"] if r.shape.get("T") == 512]
-        if rows:
-            return min(r.median_us for r in rows) / 512, f"T=512 MoE record in {results}"
+        times = [us for shape, us in _usable(doc) if shape.get("T") == 512]
+        if times:
+            return min(times) / 512, f"T=512 MoE record in {results}"
     a = anchors or bk.load_anchors()
     row = a.moe(K=K, T=512)
     return row.us / 512, f"upstream fused MoE, K={K}, T=512 on the H200 (anchors)"
@@ -75,14 +86,30 @@ def h200_prefill_us_per_token(results: Path | None = None, anchors: bk.Anchors |
 def forecast(b: Budget, *, top_k: int | None = None, experts: int | None = None, moe_layers: int | None = None,
              gb10_gbps: float = GB10_GBPS, copy_fraction: float = GB10_COPY_FRACTION, overhead_ms: float = 0.0,
              decode_results: Path | None = None, moe_results: Path | None = None) -> Forecast:
+    for name, v in (("top_k", top_k), ("experts", experts), ("moe_layers", moe_layers)):
+        if v is not None and not (is_int(v) and v >= 1):
+            raise SafetensorsError(f"forecast: {name} must be an integer >= 1, got {v!r:.40}")
+    if not (_positive(gb10_gbps) and _positive(copy_fraction) and copy_fraction <= 1):
+        raise SafetensorsError(f"forecast: the GB10 bandwidth must be a finite number of GB/s > 0 and the copy fraction "
+                               f"in (0, 1], got {gb10_gbps!r:.40} and {copy_fraction!r:.40}")
+    if not (is_number(overhead_ms) and overhead_ms >= 0):
+        raise SafetensorsError(f"forecast: the per-token overhead must be a finite number of ms >= 0, got "
+                               f"{overhead_ms!r:.40}")
     cfg = b.config
     top_k = top_k or int(cfg.get("num_experts_per_tok") or 6)
     experts = experts or int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 384)
+    if top_k > experts:
+        raise SafetensorsError(f"forecast: {top_k} experts per token but only {experts} experts; fix "
+                               "num_experts_per_tok / n_routed_experts in config.json")
     skip = ("routed experts", "Engram", "MTP")
     dense = sum(v for k, v in b.per_rank.items() if k not in skip) - _embed_bytes_per_rank(b)
     per_token = dense + b.per_rank["routed experts"] * top_k / experts
     dense_w = sum(v for k, v in b.params_per_rank.items() if k not in skip)
     weights = dense_w + b.params_per_rank["routed experts"] * top_k / experts
+    if per_token <= 0 or weights <= 0:
+        raise SafetensorsError(f"forecast: a decoded token reads {per_token:,.0f} bytes and {weights:,.0f} weights of "
+                               "this checkpoint (embedding excluded); pass a whole checkpoint folder with its own "
+                               "config.json")
     bw = gb10_gbps * copy_fraction * 1e9
     rate, work_src = h200_decode_rate(decode_results)
     t_bw = per_token / bw
