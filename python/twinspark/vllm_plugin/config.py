@@ -21,6 +21,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from twinspark.exl3.format import Exl3FormatError
 from twinspark.exl3.reference import CODEBOOKS
+from twinspark.vllm_plugin.grouped import Exl3GroupedLinearMethod
 from twinspark.vllm_plugin.linear import Exl3LinearMethod, ckpt_names
 from twinspark.vllm_plugin.moe import Exl3MoEMethod
 
@@ -52,6 +53,13 @@ class Exl3Config(QuantizationConfig):
         # and prefixes holding dense `.weight`s. None: no local checkpoint seen, the name patterns decide.
         self.exl3_modules: set[str] | None = None
         self.dense_modules: set[str] = set()
+        # The same in the checkpoint's own names (before any model mapper): a DSpark draft layer
+        # (model.layers.{L+i}) is looked up as mtp.{i} there (draft_name); num_layers: the backbone's layers.
+        self.raw_exl3: set[str] = set()
+        self.raw_dense: set[str] = set()
+        self.num_layers: int | None = None
+        self.o_groups: int | None = None
+        self.ckpt_of: dict[str, str] = {}  # vLLM module name -> checkpoint name (apply_vllm_mapper), for messages
 
     def __repr__(self) -> str:
         return f"Exl3Config(codebook={self.codebook}, bits={self.bits}, head_bits={self.head_bits})"
@@ -84,6 +92,8 @@ class Exl3Config(QuantizationConfig):
         from twinspark.vllm_plugin.engram import note_engram
 
         note_engram(hf_config)
+        self.num_layers = getattr(hf_config, "num_hidden_layers", None)
+        self.o_groups = getattr(hf_config, "o_groups", None)
         if os.path.isdir(model_name):
             from twinspark.safetensors_io import SafetensorsError, index_tensors
 
@@ -91,8 +101,9 @@ class Exl3Config(QuantizationConfig):
                 names = list(index_tensors(model_name))  # headers only
             except SafetensorsError as exc:
                 raise Exl3FormatError(str(exc)) from None
-            self.exl3_modules = {n.rsplit(".", 1)[0] for n in names if n.endswith(".trellis")}
-            self.dense_modules = {n.rsplit(".", 1)[0] for n in names if n.endswith(".weight")}
+            self.raw_exl3 = {n.rsplit(".", 1)[0] for n in names if n.endswith(".trellis")}
+            self.raw_dense = {n.rsplit(".", 1)[0] for n in names if n.endswith(".weight")}
+            self.exl3_modules, self.dense_modules = set(self.raw_exl3), set(self.raw_dense)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper):
         """Rename the checkpoint's module prefixes the way the model renames its weights."""
@@ -105,25 +116,53 @@ class Exl3Config(QuantizationConfig):
                 mapped = hf_to_vllm_mapper.map_name(f"{p}.{suffix}")
                 if mapped is not None:
                     out.add(mapped[: -len(suffix) - 1])
+                    self.ckpt_of[mapped[: -len(suffix) - 1]] = p
             return out
 
         self.exl3_modules = rename(self.exl3_modules, "trellis")
         self.dense_modules = rename(self.dense_modules, "weight")
 
-    def is_exl3(self, prefix: str, ckpt_names: list[str], experts: bool = False) -> bool:
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of vLLM module `name` (as the error messages should say it)."""
+        return self.ckpt_of.get(name, name)
+
+    def stored_groups(self, key: str, raw: bool) -> int:
+        """How many output groups layer `key` is stored as (``key.slice.{g}``, DeepSeek V4.1's ``wo_a``); 0 when
+        it is stored whole. The count is config.json's ``o_groups`` when it has one, so a missing slice is a load
+        error naming it."""
+        exl3 = self.raw_exl3 if raw else (self.exl3_modules or set())
+        head = key + ".slice."
+        found = [int(m[len(head):]) for m in exl3 if m.startswith(head) and m[len(head):].isdigit()]
+        if not found:
+            return 0
+        return self.o_groups or max(found) + 1
+
+    def draft_name(self, prefix: str) -> str | None:
+        """The checkpoint name of a DSpark draft module (DeepSeek V4.1: the draft's layers are numbered after the
+        backbone's and stored as ``mtp.{i}``; its context combiner is ``mtp.0.main_proj``), else None."""
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.(.+)$", prefix)
+        if m and self.num_layers is not None and int(m.group(1)) >= self.num_layers:
+            return f"mtp.{int(m.group(1)) - self.num_layers}.{m.group(2)}"
+        if re.search(r"(?:^|\.)main_proj$", prefix) and "mtp." not in prefix:
+            return "mtp.0.main_proj"
+        return None
+
+    def is_exl3(self, prefix: str, ckpt_names: list[str], experts: bool = False, raw: bool = False) -> bool:
         """Whether vLLM layer `prefix` (checkpoint modules `ckpt_names`) is EXL3: from the checkpoint's tensors when
-        they were indexed (a pack may quantize only the routed experts), else from the name patterns."""
+        they were indexed (a pack may quantize only the routed experts), else from the name patterns. ``raw``:
+        `prefix` and `ckpt_names` are checkpoint names (a draft module, ``draft_name``), not vLLM names."""
         if is_dense(prefix, self.modules_to_not_convert):
             return False
         if self.exl3_modules is None:
             return True
+        exl3, dense_set = (self.raw_exl3, self.raw_dense) if raw else (self.exl3_modules, self.dense_modules)
         if experts:
             head = prefix + "."
-            if any(m.startswith(head) for m in self.exl3_modules):
+            if any(m.startswith(head) for m in exl3):
                 return True
-            return not any(m.startswith(head) for m in self.dense_modules)
-        quant = [n for n in ckpt_names if n in self.exl3_modules]
-        dense = [n for n in ckpt_names if n in self.dense_modules]
+            return not any(m.startswith(head) for m in dense_set)
+        quant = [n for n in ckpt_names if n in exl3]
+        dense = [n for n in ckpt_names if n in dense_set]
         if quant and dense:
             raise Exl3FormatError(f"layer {prefix} mixes EXL3 shards ({', '.join(quant)}) with dense ones "
                                   f"({', '.join(dense)}); vLLM fuses them into one layer, so quantize all of them "
@@ -138,16 +177,22 @@ class Exl3Config(QuantizationConfig):
         from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+        draft = self.draft_name(prefix)
+        key, raw = draft or prefix, draft is not None
         if isinstance(layer, ParallelLMHead):
-            return Exl3LinearMethod(self, prefix) if self.is_exl3(prefix, [prefix]) else None
+            return Exl3LinearMethod(self, key) if self.is_exl3(key, [key], raw=raw) else None
         if isinstance(layer, LinearBase):
+            groups = self.stored_groups(key, raw)
+            if groups:
+                return Exl3GroupedLinearMethod(self, prefix, self.checkpoint_name(key), groups)
             n_shards = len(getattr(layer, "output_sizes", None) or [0])
             if isinstance(layer, QKVParallelLinear):
                 n_shards = 3
-            names = ckpt_names(prefix, n_shards, self.packed_modules_mapping)
-            return Exl3LinearMethod(self, prefix) if self.is_exl3(prefix, names) else UnquantizedLinearMethod()
+            names = ckpt_names(key, n_shards, self.packed_modules_mapping)
+            exl3 = self.is_exl3(key, names, raw=raw)
+            return Exl3LinearMethod(self, key) if exl3 else UnquantizedLinearMethod()
         if isinstance(layer, RoutedExperts):
-            if self.is_exl3(prefix, [], experts=True):
+            if self.is_exl3(key, [], experts=True, raw=raw):
                 return Exl3MoEMethod(self, layer.moe_config, prefix)
             return UnquantizedFusedMoEMethod(layer.moe_config)
         return None  # embeddings, attention: dense

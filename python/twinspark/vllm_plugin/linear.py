@@ -70,7 +70,8 @@ class Exl3LinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
         sizes = list(output_partition_sizes)
-        names = ckpt_names(self.prefix, len(sizes), self.quant_config.packed_modules_mapping)
+        names = [self.quant_config.checkpoint_name(n)
+                 for n in ckpt_names(self.prefix, len(sizes), self.quant_config.packed_modules_mapping)]
         layer.exl3_parts = [Exl3Parts(nm, _normalize(ck), _normalize(cn), self.quant_config.codebook)
                             for nm, (ck, cn) in zip(names, _cuts(layer, sizes))]
         layer.exl3_out_sizes = sizes

