@@ -46,12 +46,22 @@ def _rank(model_dir: str, rank: int, world: int, port: int, out: str) -> None:
     sys.path.insert(0, str(HERE))
     import v41 as h
 
+    from vllm.config import set_current_vllm_config
+
     cfg = h.engine_config(model_dir, world)
+    inp = h.inputs(SPEC)
     with h.distributed(cfg, rank, world, port):
         model = h.build(cfg)
         before, loaded = h.load(model, cfg)
-        got = h.module_outputs(model, SPEC, h.inputs(SPEC))
-    torch.save({"unfilled": h.unfilled(before, loaded), "params": len(before), "outputs": got}, out)
+        got = h.module_outputs(model, SPEC, inp)
+        dcfg, dmc = h.draft_config(cfg)
+        with set_current_vllm_config(dcfg):
+            draft = h.build(dcfg, dmc)
+            d_before, d_loaded = h.load(draft, dcfg, dmc)
+            got |= h.draft_outputs(draft, SPEC, inp)
+        limit = getattr(draft.model.layers[0].ffn.experts.routed_experts, "swiglu_limit", None)
+    torch.save({"unfilled": h.unfilled(before, loaded), "draft_unfilled": h.unfilled(d_before, d_loaded),
+                "draft_class": type(draft).__name__, "draft_limit": limit, "outputs": got}, out)
 
 
 def run_ranks(model_dir, world: int, tmp_path, timeout: float = 600) -> list[dict]:
@@ -83,12 +93,15 @@ def dense(tiny):
     import v41 as h
 
     cfg_limits = {L: 10.0 for L in h.EXPERT_LAYERS}  # config swiglu_limit (the ranks report theirs: checked)
-    return h.dense_outputs(tiny, SPEC, h.inputs(SPEC), cfg_limits)
+    inp = h.inputs(SPEC)
+    return h.dense_outputs(tiny, SPEC, inp, cfg_limits) | h.dense_draft_outputs(tiny, SPEC, inp, 10.0)
 
 
 def _check(results: list[dict], dense: dict) -> None:
     for rank, res in enumerate(results):
         assert res["unfilled"] == [], f"rank {rank}: parameters never loaded: {res['unfilled']}"
+        assert res["draft_unfilled"] == [], f"rank {rank}: draft parameters never loaded: {res['draft_unfilled']}"
+        assert res["draft_class"] == "Exl3DSparkV41ForCausalLM" and res["draft_limit"] == 10.0
         got = res["outputs"]
         for L in v41.EXPERT_LAYERS:
             assert float(got.pop(f"layers.{L}.ffn.experts.limit")) == 10.0
@@ -102,13 +115,13 @@ def _check(results: list[dict], dense: dict) -> None:
             assert err <= TOL, f"rank {rank} {name}: max error {err:.2e} of the largest value (allowed {TOL})"
 
 
-def test_tp1_every_parameter_loaded_and_modules_equal_dense(tiny, dense, tmp_path):
+def test_tp1_target_and_draft_every_parameter_loaded_and_modules_equal_dense(tiny, dense, tmp_path):
     results = run_ranks(tiny, 1, tmp_path)
     assert "head" in results[0]["outputs"]
     _check(results, dense)
 
 
-def test_tp2_every_parameter_loaded_and_modules_equal_dense(tiny, dense, tmp_path):
+def test_tp2_target_and_draft_every_parameter_loaded_and_modules_equal_dense(tiny, dense, tmp_path):
     results = run_ranks(tiny, 2, tmp_path)
     assert "head" in results[0]["outputs"]
     _check(results, dense)
@@ -118,7 +131,7 @@ def test_inverse_rope_undoes_vllms_rope(tiny):
     """The CPU path of the grouped wo_a (_o_proj) undoes exactly the rotation vLLM's V4.1 RoPE applies."""
     from twinspark.vllm_plugin.deepseek_v41 import inverse_rope
 
-    rope = v41.vllm_rope(tiny, SPEC)
+    rope = v41.vllm_rope(tiny, SPEC, 2)
     cache = rope.cos_sin_cache.double()
     g = torch.Generator().manual_seed(3)
     q = torch.randn(4, SPEC.heads, SPEC.head_dim, generator=g, dtype=torch.float64)

@@ -10,6 +10,8 @@ for one CUDA-only call made while the model is constructed; none is active while
   ``DeepseekV4FlashMLAAttention.__init__`` (asserts a CUDA device).
 - ``torch.accelerator.current_device_index`` and ``torch.cuda.get_device_properties`` -> device 0 with one SM:
   ``ParallelEngramEmbedding.__init__`` (reads the SM count).
+- the DSpark draft's ``SpeculativeConfig`` is attached to the engine config after it is validated
+  (``draft_config``): vLLM refuses dspark with its V1 model runner, the only one a CPU build has (V2 needs Triton).
 vLLM's Engram tables are built with ``engram_config.cpu_offload=False`` (pinned host memory needs CUDA).
 """
 
@@ -87,6 +89,21 @@ def distributed(cfg, rank: int, world: int, port: int):
         yield
 
 
+def draft_config(cfg):
+    """(engine config of the DSpark draft, its model config): what vLLM's dspark loader builds the draft from."""
+    import copy
+
+    from vllm.config import SpeculativeConfig
+    from vllm.model_executor.models.utils import get_draft_quant_config
+
+    sc = SpeculativeConfig(method="dspark", num_speculative_tokens=3, target_model_config=cfg.model_config,
+                           target_parallel_config=cfg.parallel_config)
+    object.__setattr__(cfg, "speculative_config", sc)
+    dcfg = copy.copy(cfg)
+    object.__setattr__(dcfg, "quant_config", get_draft_quant_config(cfg))
+    return dcfg, sc.draft_model_config
+
+
 def build(cfg, model_config=None, meta: bool = False):
     """Construct the model (vLLM's initialize_model) under the shims; on the meta device when asked."""
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -112,6 +129,7 @@ def load(model, cfg, model_config=None) -> tuple[set[str], set[str]]:
 OPTIONAL = (
     r"\.(su|sv|mcg)$|_(su|sv|mcg)$",  # EXL3 placeholders of the other storage forms (legacy signs, mcg codebook)
     r"engram\.embed_tokens\.",  # Engram tables: not in the EXL3 pack (original shards 47/48; issue 39)
+    r"^(lm_head|model\.embed_tokens)\.weight$",  # the draft's: vLLM's dspark loader puts the target's there
 )
 
 
@@ -130,7 +148,11 @@ def inputs(spec, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"x": bf(T, spec.hidden), "qr": bf(T, spec.q_lora), "latent": bf(T, spec.head_dim),
             "attn_out": bf(T, spec.heads, spec.head_dim), "positions": torch.tensor([0, 5, 77]),
             "inter": bf(T, spec.shared_inter), "engram": bf(T, spec.engram_hash_cols * spec.engram_head_dim),
-            "topk_ids": ids.to(torch.int32), "topk_weights": torch.rand(T, spec.top_k, generator=g)}
+            "topk_ids": ids.to(torch.int32), "topk_weights": torch.rand(T, spec.top_k, generator=g),
+            "draft_ids": torch.stack([torch.randperm(spec.dspark_experts, generator=g)[: spec.dspark_top_k]
+                                      for _ in range(T)]).to(torch.int32),
+            "draft_weights": torch.rand(T, spec.dspark_top_k, generator=g),
+            "context": bf(T, spec.hidden * len(spec.dspark_target_layers))}
 
 
 # (name in results, backbone layer) of each module type checked; the draft's modules are checked by draft_outputs
@@ -185,13 +207,37 @@ def module_outputs(model, spec, inp: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().float() for k, v in out.items()}
 
 
+def draft_outputs(draft, spec, inp: dict) -> dict[str, torch.Tensor]:
+    """The DSpark draft's EXL3 module types (context combiner, attention incl. grouped wo_a, routed and shared
+    experts), keyed by checkpoint name (mtp.0.*)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        tensor_model_parallel_all_gather,
+        tensor_model_parallel_all_reduce,
+    )
+
+    rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    layer, x, out = draft.model.layers[0], inp["x"], {}
+    out["mtp.0.main_proj"] = draft.model.main_proj(inp["context"])
+    attn = layer.attn
+    out["mtp.0.attn.fused_wqa_wkv"] = attn._fused_wqa_wkv_gemm(x)
+    out["mtp.0.attn.wq_b"] = tensor_model_parallel_all_gather(attn._wq_b_proj(inp["qr"]))
+    heads = attn.n_local_heads
+    local = inp["attn_out"][:, rank * heads:(rank + 1) * heads].contiguous()
+    out["mtp.0.attn.o_proj"] = attn._o_proj(local, inp["positions"])
+    routed = layer.ffn.experts.routed_experts
+    y = routed.quant_method.apply(routed, x, inp["draft_weights"], inp["draft_ids"], None, None)
+    out["mtp.0.ffn.experts"] = tensor_model_parallel_all_reduce(y)
+    mlp = layer.ffn.shared_experts
+    gu = tensor_model_parallel_all_gather(mlp.gate_up_proj(x)[0])
+    out["mtp.0.ffn.shared_experts.gate_up"] = gu.view(T, world, 2, -1).transpose(1, 2).reshape(T, -1)
+    return {k: v.detach().float() for k, v in out.items()}
+
+
 def dense_outputs(model_dir, spec, inp: dict, limits: dict[int, float]) -> dict[str, torch.Tensor]:
     """The same modules as dense float64 matmuls on the weights twinspark's spec decoder dequantizes."""
-    from twinspark.exl3.format import read_layer
-    from twinspark.vllm_plugin.deepseek_v41 import inverse_rope
-
-    W = lambda name: read_layer(model_dir, name).weight().double()  # noqa: E731  [k, n]
-    d = {k: (v.double() if v.is_floating_point() else v) for k, v in inp.items()}
+    W, d = _weights(model_dir), _double(inp)
     x, out = d["x"], {}
     for L in ATTN_LAYERS:
         p = f"layers.{L}.attn"
@@ -201,33 +247,68 @@ def dense_outputs(model_dir, spec, inp: dict, limits: dict[int, float]) -> dict[
         out[f"{p}.indexer.wk"] = d["latent"] @ W(f"{p}.indexer.wk")
     out["layers.2.attn.wq_b"] = d["qr"] @ W("layers.2.attn.wq_b")
     out["layers.2.attn.indexer.wq_b"] = d["qr"] @ W("layers.2.attn.indexer.wq_b")
-    cache = rope_cache(model_dir, spec)
-    grouped = inverse_rope(d["attn_out"], d["positions"], cache, spec.o_groups, spec.head_dim - spec.rope_dim,
-                           spec.rope_dim)
-    z = torch.cat([grouped[:, g] @ W(f"layers.2.attn.wo_a.slice.{g}") for g in range(spec.o_groups)], 1)
-    out["layers.2.attn.o_proj"] = z @ W("layers.2.attn.wo_b")
+    out["layers.2.attn.o_proj"] = _o_proj(W, "layers.2.attn", d, spec, rope_cache(model_dir, spec, 2))
     for L in SHARED_LAYERS:
         p = f"layers.{L}.ffn.shared_experts"
         out[f"{p}.gate_up"] = x @ torch.cat([W(f"{p}.w1"), W(f"{p}.w3")], 1)
         out[f"{p}.down"] = d["inter"] @ W(f"{p}.w2")
     for L in EXPERT_LAYERS:
-        y, lim = torch.zeros_like(x), limits.get(L) or None
-        for t in range(T):
-            for s in range(spec.top_k):
-                p = f"layers.{L}.ffn.experts.{int(d['topk_ids'][t, s])}"
-                gate, up = x[t] @ W(f"{p}.w1"), x[t] @ W(f"{p}.w3")
-                if lim:
-                    gate, up = gate.clamp(max=lim), up.clamp(-lim, lim)
-                y[t] += d["topk_weights"][t, s] * ((torch.nn.functional.silu(gate) * up) @ W(f"{p}.w2"))
-        out[f"layers.{L}.ffn.experts"] = y
+        out[f"layers.{L}.ffn.experts"] = _experts(W, f"layers.{L}.ffn.experts", x, d["topk_ids"],
+                                                  d["topk_weights"], limits.get(L))
     for L in ENGRAM_LAYERS:
         out[f"layers.{L}.engram.wkv"] = d["engram"] @ W(f"layers.{L}.engram.wkv")
     out["head"] = x @ W("head")
     return out
 
 
-def vllm_rope(model_dir, spec):
-    """Layer 2's RoPE module as vLLM builds it (a default vLLM config in context, as its custom ops need)."""
+def dense_draft_outputs(model_dir, spec, inp: dict, limit: float | None) -> dict[str, torch.Tensor]:
+    W, d = _weights(model_dir), _double(inp)
+    x, p = d["x"], "mtp.0"
+    return {f"{p}.main_proj": d["context"] @ W(f"{p}.main_proj"),
+            f"{p}.attn.fused_wqa_wkv": x @ torch.cat([W(f"{p}.attn.wq_a"), W(f"{p}.attn.wkv")], 1),
+            f"{p}.attn.wq_b": d["qr"] @ W(f"{p}.attn.wq_b"),
+            f"{p}.attn.o_proj": _o_proj(W, f"{p}.attn", d, spec, rope_cache(model_dir, spec, spec.layers)),
+            f"{p}.ffn.experts": _experts(W, f"{p}.ffn.experts", x, d["draft_ids"], d["draft_weights"], limit),
+            f"{p}.ffn.shared_experts.gate_up": x @ torch.cat([W(f"{p}.ffn.shared_experts.w1"),
+                                                               W(f"{p}.ffn.shared_experts.w3")], 1)}
+
+
+def _weights(model_dir):
+    from twinspark.exl3.format import read_layer
+
+    return lambda name: read_layer(model_dir, name).weight().double()  # [k, n]
+
+
+def _double(inp: dict) -> dict:
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in inp.items()}
+
+
+def _o_proj(W, p: str, d: dict, spec, cache: torch.Tensor) -> torch.Tensor:
+    """Inverse RoPE (vLLM's own rotation, checked by test_inverse_rope_undoes_vllms_rope), each group's slice
+    through its wo_a matrix, then wo_b."""
+    from twinspark.vllm_plugin.deepseek_v41 import inverse_rope
+
+    grouped = inverse_rope(d["attn_out"], d["positions"], cache, spec.o_groups, spec.head_dim - spec.rope_dim,
+                           spec.rope_dim)
+    z = torch.cat([grouped[:, g] @ W(f"{p}.wo_a.slice.{g}") for g in range(spec.o_groups)], 1)
+    return z @ W(f"{p}.wo_b")
+
+
+def _experts(W, p: str, x, ids, weights, limit: float | None) -> torch.Tensor:
+    """sum over the chosen experts of weight * w2(silu(clamp(w1 x)) * clamp(w3 x)) (SwiGLU limit as vLLM's)."""
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = f"{p}.{int(ids[t, s])}"
+            gate, up = x[t] @ W(f"{e}.w1"), x[t] @ W(f"{e}.w3")
+            if limit:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            y[t] += weights[t, s] * ((torch.nn.functional.silu(gate) * up) @ W(f"{e}.w2"))
+    return y
+
+
+def vllm_rope(model_dir, spec, layer: int):
+    """Layer `layer`'s RoPE module as vLLM builds it (a default vLLM config in context, as its custom ops need)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.models.deepseek_v41.common.rope import build_deepseek_v4_rope
     from vllm.transformers_utils.config import get_config
@@ -236,9 +317,9 @@ def vllm_rope(model_dir, spec):
     with set_current_vllm_config(VllmConfig()):
         return build_deepseek_v4_rope(cfg, head_dim=spec.head_dim, rope_head_dim=spec.rope_dim,
                                       max_position_embeddings=spec.max_position,
-                                      compress_ratio=spec.compress_ratios[2])
+                                      compress_ratio=spec.compress_ratios[layer])
 
 
-def rope_cache(model_dir, spec) -> torch.Tensor:
-    """Layer 2's RoPE cos/sin cache (the dense o_proj reference undoes the same rotation)."""
-    return vllm_rope(model_dir, spec).cos_sin_cache.double()
+def rope_cache(model_dir, spec, layer: int) -> torch.Tensor:
+    """Layer `layer`'s RoPE cos/sin cache (the dense o_proj reference undoes the same rotation)."""
+    return vllm_rope(model_dir, spec, layer).cos_sin_cache.double()
