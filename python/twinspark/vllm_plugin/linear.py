@@ -16,7 +16,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 
 from twinspark.exl3.format import Exl3FormatError
 from twinspark.vllm_plugin import cpu_ops
-from twinspark.vllm_plugin.parts import SUFFIXES, Cut, Exl3Parts
+from twinspark.vllm_plugin.parts import SUFFIXES, Cut, Exl3Parts, register_placeholders
 
 
 def ckpt_names(prefix: str, n_shards: int, packed: dict[str, list[str]]) -> list[str]:
@@ -76,10 +76,7 @@ class Exl3LinearMethod(LinearMethodBase):
                             for nm, (ck, cn) in zip(names, _cuts(layer, sizes))]
         layer.exl3_out_sizes = sizes
         layer.exl3_in_size = input_size_per_partition
-        for suffix in SUFFIXES:
-            p = Parameter(torch.empty(0, dtype=torch.int16), requires_grad=False)
-            p.weight_loader = self._loader(layer, suffix)
-            layer.register_parameter(suffix, p)
+        register_placeholders(layer, self._loader)
 
     def _loader(self, layer, suffix: str):
         qkv = {"q": 0, "k": 1, "v": 2}

@@ -16,7 +16,7 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 
 from twinspark.exl3.format import Exl3FormatError
 from twinspark.vllm_plugin import cpu_ops
-from twinspark.vllm_plugin.parts import SUFFIXES, Cut, Exl3Parts
+from twinspark.vllm_plugin.parts import SUFFIXES, Cut, Exl3Parts, register_placeholders
 
 _PROJ = {"w1": 0, "w3": 1, "w2": 2}  # moe_layout GATE, UP, DOWN
 
@@ -46,10 +46,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 layer.exl3_parts[(e, proj)] = Exl3Parts(f"{self.prefix}.{e}.{nm}", ck, cn,
                                                         self.quant_config.codebook)
         for group in ("w13", "w2"):
-            for suffix in SUFFIXES:
-                p = Parameter(torch.empty(0, dtype=torch.int16), requires_grad=False)
-                p.weight_loader = self._loader(layer, suffix)
-                layer.register_parameter(f"{group}_{suffix}", p)
+            register_placeholders(layer, self._loader, f"{group}_")
 
     def _loader(self, layer, suffix: str):
         def load(param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, return_success=False,

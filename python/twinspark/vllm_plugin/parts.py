@@ -19,6 +19,19 @@ from twinspark.exl3.format import MARKERS, Exl3FormatError, _signs_to_scales, re
 from twinspark.exl3.layer import Exl3Layer
 
 SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
+_STORED = {"trellis": torch.int16, "suh": torch.float16, "svh": torch.float16, "su": torch.int16,
+           "sv": torch.int16, "mcg": torch.int32, "mul1": torch.int32}
+
+
+def register_placeholders(layer, loader, prefix: str = "") -> None:
+    """One empty parameter per stored EXL3 tensor kind (``{prefix}{suffix}``, in the dtype the checkpoint stores
+    it, so vLLM's loader sees no dtype change), each loaded by ``loader(layer, suffix)``."""
+    from torch.nn import Parameter
+
+    for suffix in SUFFIXES:
+        p = Parameter(torch.empty(0, dtype=_STORED[suffix]), requires_grad=False)
+        p.weight_loader = loader(layer, suffix)
+        layer.register_parameter(f"{prefix}{suffix}", p)
 _FIX = "re-download the shard or re-quantize the layer"
 
 
