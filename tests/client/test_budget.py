@@ -34,11 +34,13 @@ def test_classify_names():
     assert c("model.layers.3.mlp.experts.17.down_proj.trellis", 42) == "routed experts"
     assert c("model.layers.3.mlp.shared_experts.up_proj.suh", 42) == "shared experts"
     assert c("model.layers.3.self_attn.kv_b_proj.svh", 42) == "attention"
-    assert c("model.layers.3.self_attn.indexer.wq_b.trellis", 42) == "attention"
+    assert c("model.layers.3.self_attn.indexer.wq_b.trellis", 42) == "compressor + indexer"
+    assert c("layers.2.attn.compressor.wgate.trellis", 40) == "compressor + indexer"
     assert c("lm_head.trellis", 42) == "lm_head"
     assert c("model.layers.42.mlp.experts.0.up_proj.trellis", 42) == "MTP"  # the block after the last layer
     assert c("mtp.0.enorm.weight") == "MTP"
-    assert c("layers.14.engram.embed.weight") == "Engram"
+    assert c("layers.14.engram.embed.weight") == "Engram tables"
+    assert c("layers.14.engram.wkv.trellis") == "Engram"  # in the pack, loaded
     assert c("model.embed_tokens.weight", 42) == "other" and c("model.layers.3.mlp.gate.weight", 42) == "other"
     assert budget.replicated("model.layers.3.mlp.gate.weight")
     assert budget.replicated("model.layers.3.self_attn.q_a_proj.trellis")
@@ -53,7 +55,7 @@ def test_budget_of_the_v41_pack_at_tp2(pack):
     assert 190 * GiB < total < 200 * GiB  # ~197 GiB like the real pack
     want = _expected({**items, **engram}, 2, fake.LAYERS)
     assert b.per_rank == want
-    assert b.total["Engram"] == sum(fake.nbytes(*v) for v in engram.values())  # ~190 GiB, listed apart
+    assert b.total["Engram tables"] == sum(fake.nbytes(*v) for v in engram.values())  # ~190 GiB, listed apart
     assert 95 * GiB < b.weights_per_rank < 104 * GiB  # the deployment notes say ~99.5 GiB per rank
     assert b.per_rank["routed experts"] > 0.9 * b.weights_per_rank
     # fp8_ds_mla on V4.1: the launcher's 2.5 GiB pool holds 774,400 tokens; a 600k context fits.
@@ -95,3 +97,31 @@ def test_truncated_shard_and_missing_dir(pack, tmp_path):
         f.truncate(shard.stat().st_size - 1)
     with pytest.raises(SafetensorsError, match="truncated"):
         budget.analyze(bad)
+
+
+def test_budget_of_the_real_dimension_shape_only_pack(tmp_path):
+    """`invoke budget` on the published pack's names at V4.1's real dimensions (sparse shards): per-rank bytes by
+    module class at TP 2 equal what the module table (shared/docs/deepseek-v41.md section 3) says each rank keeps."""
+    from twinspark.exl3.reference import words_per_tile
+    from twinspark.tiny_v41 import make_shape_only_v41
+    from twinspark.v41_layout import V41Spec
+
+    spec = V41Spec.real()
+    b = budget.analyze(make_shape_only_v41(tmp_path / "real"), tp=2, mem_available=121 * GiB)
+    lin, den = spec.tensors()
+    # replicated at TP 2: fused wq_a + wkv, compressor, indexer, the draft's main_proj; the rest splits in half
+    whole = ("attn.wq_a", "attn.wkv", "compressor.", "indexer.", "main_proj")
+    want = 0
+    for m in lin:
+        nbytes = (m.k // 16) * (m.n // 16) * words_per_tile(m.K) * 2 + (m.k + m.n) * 2 + 4
+        want += nbytes if any(w in m.name for w in whole) else math.ceil(nbytes / 2)
+    split_dense = ("embed.weight", "attn_sink")  # vocabulary rows, heads: split; the rest replicated
+    for d in den:
+        nbytes = math.prod(d.shape) * (2 if d.dtype == "BF16" else 4)
+        want += math.ceil(nbytes / 2) if d.name.endswith(split_dense) and "markov" not in d.name \
+            else nbytes
+    assert abs(b.weights_per_rank - want) < 0.001 * want, (b.weights_per_rank / GiB, want / GiB)
+    assert 95 * GiB < b.weights_per_rank < 100 * GiB  # seed A's weight budget: 99.5 GiB per rank with the vision tower
+    text = budget.report(b)
+    for cls in ("routed experts", "shared experts", "attention", "compressor + indexer", "lm_head", "MTP", "Engram"):
+        assert cls in text

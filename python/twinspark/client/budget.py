@@ -20,13 +20,18 @@ from twinspark.fileio import read_json
 from twinspark.safetensors_io import SafetensorsError, TensorInfo, index_tensors, shard_files
 
 GiB = 1 << 30
-CLASSES = ("routed experts", "shared experts", "attention", "lm_head", "MTP", "Engram", "other")
+CLASSES = ("routed experts", "shared experts", "attention", "compressor + indexer", "lm_head", "MTP", "Engram",
+           "Engram tables", "other")
+NOT_LOADED = "Engram tables"  # rows are read from files on demand (twinspark.engram), never loaded
 # DeepSeek V4.1 Flash with fp8_ds_mla: the launcher's 2.5 GiB pool holds 774,400 tokens (deployment notes),
 # i.e. ~3.4 KiB per token; its compressed-attention layout is not derivable from the MLA fields alone.
 KNOWN_KV_TOKEN_BYTES = {("DeepseekV41ForCausalLM", "fp8_ds_mla"): 2_684_354_560 / 774_400}
 FP8_DS_MLA_LAYER_BYTES = 656  # 512 fp8 latent + 4 fp32 scales + 64 bf16 rope values, per token per layer
-_REPLICATED = re.compile(r"(norm|\.gate\.(weight|e_score_correction_bias)$|\.gate\.bias$|q_a_proj|kv_a_proj|wq_a|"
-                         r"wkv_a|weights_proj|\.indexer\.wk\.)")
+# DeepSeek V4.1 (shared/docs/deepseek-v41.md section 3): fused wq_a + wkv, the compressor, the whole indexer, the
+# hc mixing tensors, the draft's context combiner and heads, and the image markers are replicated too
+_REPLICATED = re.compile(r"(norm|\.gate\.(weight|e_score_correction_bias|bias_vl)$|\.gate\.bias$|q_a_proj|kv_a_proj|"
+                         r"wq_a|wkv_a|weights_proj|\.indexer\.|\.attn\.wkv\.|\.compressor\.|\.hc_|main_proj|"
+                         r"markov_head|confidence_head|^image_)")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -35,6 +40,8 @@ def classify(name: str, num_layers: int | None = None) -> str:
     m = _LAYER.search(name)
     if name.startswith("mtp.") or ".mtp." in name or (m and num_layers is not None and int(m[1]) >= num_layers):
         return "MTP"
+    if ".engram.embed." in name:
+        return NOT_LOADED
     if ".engram." in name:
         return "Engram"
     if name.startswith(("lm_head.", "head.")) or ".lm_head." in name:
@@ -43,7 +50,9 @@ def classify(name: str, num_layers: int | None = None) -> str:
         return "shared experts"
     if ".experts." in name:
         return "routed experts"
-    if any(k in name for k in (".self_attn.", ".attn.", ".attention.", ".indexer.")):
+    if ".compressor." in name or ".indexer." in name:
+        return "compressor + indexer"
+    if any(k in name for k in (".self_attn.", ".attn.", ".attention.")):
         return "attention"
     return "other"
 
@@ -75,7 +84,7 @@ class Budget:
     @property
     def weights_per_rank(self) -> int:
         """Bytes each rank loads into memory (Engram excluded: read from files on demand)."""
-        return sum(v for k, v in self.per_rank.items() if k != "Engram")
+        return sum(v for k, v in self.per_rank.items() if k != NOT_LOADED)
 
     @property
     def context_fits(self) -> bool:
@@ -228,12 +237,12 @@ def report(b: Budget) -> str:
     """Plain-text report (the task prints it)."""
     g = lambda x: f"{x / GiB:,.2f} GiB"  # noqa: E731
     lines = [f"{b.shards} shards, {b.tensors} tensors, tensor parallel {b.tp}", "",
-             f"{'class':16s} {'checkpoint':>14s} {'per rank':>14s}"]
+             f"{'class':20s} {'checkpoint':>14s} {'per rank':>14s}"]
     for c in CLASSES:
         if b.total[c]:
-            extra = "  (read from files on demand, not loaded)" if c == "Engram" else ""
-            lines.append(f"{c:16s} {g(b.total[c]):>14s} {g(b.per_rank[c]):>14s}{extra}")
-    lines += [f"{'loaded per rank':16s} {'':>14s} {g(b.weights_per_rank):>14s}", "",
+            extra = "  (read from files on demand, not loaded)" if c == NOT_LOADED else ""
+            lines.append(f"{c:20s} {g(b.total[c]):>14s} {g(b.per_rank[c]):>14s}{extra}")
+    lines += [f"{'loaded per rank':20s} {'':>14s} {g(b.weights_per_rank):>14s}", "",
               f"KV cache: {b.kv_token_bytes:,.0f} B per token ({b.kv_token_source}); a pool of {g(b.kv_pool_bytes)} "
               f"holds {b.kv_tokens:,} tokens",
               f"context {b.max_model_len:,}: {'fits' if b.context_fits else 'does NOT fit'}"

@@ -101,7 +101,7 @@ def forecast(b: Budget, *, top_k: int | None = None, experts: int | None = None,
     if top_k > experts:
         raise SafetensorsError(f"forecast: {top_k} experts per token but only {experts} experts; fix "
                                "num_experts_per_tok / n_routed_experts in config.json")
-    skip = ("routed experts", "Engram", "MTP")
+    skip = ("routed experts", "Engram tables", "MTP")
     dense = sum(v for k, v in b.per_rank.items() if k not in skip) - _embed_bytes_per_rank(b)
     per_token = dense + b.per_rank["routed experts"] * top_k / experts
     dense_w = sum(v for k, v in b.params_per_rank.items() if k not in skip)
