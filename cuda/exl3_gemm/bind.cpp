@@ -6,6 +6,31 @@
 
 namespace py = pybind11;
 
+namespace {
+twinspark::Exl3GemmSmallArgs small_args(std::uintptr_t x, long x_stride, std::uintptr_t trellis, std::uintptr_t suh,
+                                        std::uintptr_t svh, std::uintptr_t bias, std::uintptr_t out, long out_stride,
+                                        std::uintptr_t ws, std::uintptr_t counters, int m, int k, int n,
+                                        int chunks_per_split, int splits, bool bf16, std::uintptr_t xh) {
+  twinspark::Exl3GemmSmallArgs a{};
+  a.x = twinspark::ptr<const void>(x);
+  a.x_stride = x_stride;
+  a.xh = twinspark::ptr<void>(xh);
+  a.trellis = twinspark::ptr<const int16_t>(trellis);
+  a.suh = twinspark::ptr<const void>(suh);
+  a.svh = twinspark::ptr<const void>(svh);
+  a.bias = twinspark::ptr<const void>(bias);
+  a.out = twinspark::ptr<void>(out);
+  a.out_stride = out_stride;
+  a.ws = twinspark::ptr<float>(ws);
+  a.counters = twinspark::ptr<int>(counters);
+  a.m = m, a.k = k, a.n = n;
+  a.chunks_per_split = chunks_per_split;
+  a.splits = splits;
+  a.bf16 = bf16;
+  return a;
+}
+}  // namespace
+
 void bind_exl3_gemm(py::module_& m) {
   m.def(
       "exl3_gemm_small",
@@ -13,22 +38,8 @@ void bind_exl3_gemm(py::module_& m) {
          std::uintptr_t bias, std::uintptr_t out, long out_stride, std::uintptr_t ws, std::uintptr_t counters, int m,
          int k, int n, int K, int codebook, int groups, int chunks_per_split, int splits, bool bf16,
          std::uintptr_t stream, std::uintptr_t xh) {
-        twinspark::Exl3GemmSmallArgs a{};
-        a.x = twinspark::ptr<const void>(x);
-        a.x_stride = x_stride;
-        a.xh = twinspark::ptr<void>(xh);
-        a.trellis = twinspark::ptr<const int16_t>(trellis);
-        a.suh = twinspark::ptr<const void>(suh);
-        a.svh = twinspark::ptr<const void>(svh);
-        a.bias = twinspark::ptr<const void>(bias);
-        a.out = twinspark::ptr<void>(out);
-        a.out_stride = out_stride;
-        a.ws = twinspark::ptr<float>(ws);
-        a.counters = twinspark::ptr<int>(counters);
-        a.m = m, a.k = k, a.n = n;
-        a.chunks_per_split = chunks_per_split;
-        a.splits = splits;
-        a.bf16 = bf16;
+        const auto a = small_args(x, x_stride, trellis, suh, svh, bias, out, out_stride, ws, counters, m, k, n,
+                                  chunks_per_split, splits, bf16, xh);
         twinspark::check_launch(twinspark::exl3_gemm_small(a, K, codebook, groups, twinspark::stream(stream)),
                                 "exl3_gemm");
       },
@@ -36,6 +47,27 @@ void bind_exl3_gemm(py::module_& m) {
       py::arg("out"), py::arg("out_stride"), py::arg("ws"), py::arg("counters"), py::arg("m"), py::arg("k"),
       py::arg("n"), py::arg("K"), py::arg("codebook"), py::arg("groups"), py::arg("chunks_per_split"),
       py::arg("splits"), py::arg("bf16"), py::arg("stream"), py::arg("xh") = 0);
+  m.def(
+      "exl3_gemm_grouped",
+      [](std::uintptr_t x, long x_stride, long x_gstride, std::uintptr_t trellis, std::uintptr_t suh,
+         std::uintptr_t svh, std::uintptr_t bias, std::uintptr_t out, long out_stride, long out_gstride,
+         std::uintptr_t ws, std::uintptr_t counters, int mats, int m, int k, int n, int K, int codebook, int groups,
+         int chunks_per_split, int splits, bool bf16, std::uintptr_t stream, std::uintptr_t xh) {
+        twinspark::Exl3GemmGroupedArgs g{};
+        g.a = small_args(x, x_stride, trellis, suh, svh, bias, out, out_stride, ws, counters, m, k, n,
+                         chunks_per_split, splits, bf16, xh);
+        g.mats = mats;
+        g.x_gstride = x_gstride;
+        g.out_gstride = out_gstride;
+        twinspark::check_launch(twinspark::exl3_gemm_grouped(g, K, codebook, groups, twinspark::stream(stream)),
+                                "exl3_gemm_grouped");
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("x_gstride"), py::arg("trellis"), py::arg("suh"), py::arg("svh"),
+      py::arg("bias"), py::arg("out"), py::arg("out_stride"), py::arg("out_gstride"), py::arg("ws"),
+      py::arg("counters"), py::arg("mats"), py::arg("m"), py::arg("k"), py::arg("n"), py::arg("K"),
+      py::arg("codebook"), py::arg("groups"), py::arg("chunks_per_split"), py::arg("splits"), py::arg("bf16"),
+      py::arg("stream"), py::arg("xh") = 0,
+      "mats small-m EXL3 GEMMs of one shape in one launch (exl3_gemm.h: Exl3GemmGroupedArgs)");
   m.def(
       "exl3_gemm_capture_id",
       [](std::uintptr_t stream) {

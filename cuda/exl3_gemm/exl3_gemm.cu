@@ -10,11 +10,18 @@
 namespace twinspark {
 namespace {
 
-// One warp per (row, 128-column block): 8 warps per block.
+// One warp per (row, 128-column block): 8 warps per block. Grouped (exl3_gemm_grouped's x' prep, row-major):
+// blockIdx.y is the matrix, its x x_gstride elements after the previous one's, suh [mats, k], xh [mats, rows, k].
+template <bool kGrouped>
 __global__ void __launch_bounds__(256)
     prep_x_kernel(const void* __restrict__ x, long x_stride, bool bf16, const half* __restrict__ suh, int m, int rows,
-                  int k, bool blocked, half* __restrict__ xh) {
+                  int k, bool blocked, half* __restrict__ xh, long x_gstride) {
   pdl_launch_dependents();  // the fused GEMM after it may start fetching weights (common/pdl.cuh)
+  if constexpr (kGrouped) {
+    x = static_cast<const char*>(x) + blockIdx.y * x_gstride * 2;
+    suh += static_cast<long>(blockIdx.y) * k;
+    xh += static_cast<long>(blockIdx.y) * rows * k;
+  }
   const int lane = threadIdx.x & 31;
   const long item = static_cast<long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   const int blocks = k >> 7;
@@ -68,13 +75,15 @@ __global__ void __launch_bounds__(256)
   exl3::store4(static_cast<char*>(out) + (row * out_stride + 128 * c + 4 * lane) * 2, bf16, v);
 }
 
+bool small_args_ok(const Exl3GemmSmallArgs& a, int groups) {
+  return !(a.m < 1 || a.m > 8 * groups || a.k % 128 || a.n % 128 || a.splits < 1 || a.chunks_per_split < 1 ||
+           a.x_stride % 4 || a.out_stride % 4 || (a.splits - 1) * a.chunks_per_split >= a.k / 128);
+}
+
 }  // namespace
 
 cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int groups, cudaStream_t stream) {
-  if (a.m < 1 || a.m > 8 * groups || a.k % 128 || a.n % 128 || a.splits < 1 || a.chunks_per_split < 1 ||
-      a.x_stride % 4 || a.out_stride % 4 || (a.splits - 1) * a.chunks_per_split >= a.k / 128) {
-    return cudaErrorInvalidValue;
-  }
+  if (!small_args_ok(a, groups)) return cudaErrorInvalidValue;
   if (a.xh) {
     const cudaError_t err = exl3_gemm_prep_x(a.x, a.x_stride, a.bf16, a.suh, a.m, a.k, a.xh, stream);
     if (err != cudaSuccess) return err;
@@ -96,6 +105,41 @@ cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int
       return exl3_gemm_small_k7(a, codebook, groups, stream);
     case 8:
       return exl3_gemm_small_k8(a, codebook, groups, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t exl3_gemm_grouped(const Exl3GemmGroupedArgs& g, int K, int codebook, int groups, cudaStream_t stream) {
+  const Exl3GemmSmallArgs& a = g.a;
+  if (!small_args_ok(a, groups) || g.mats < 1 || g.mats > 65535 || g.x_gstride % 4 || g.out_gstride % 4) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.xh) {  // x' of every matrix, [mats, m, k]
+    const long items = static_cast<long>(a.m) * (a.k / 128);
+    prep_x_kernel<true><<<dim3(static_cast<unsigned>((items + 7) / 8), g.mats), 256, 0, stream>>>(
+        a.x, a.x_stride, a.bf16, static_cast<const half*>(a.suh), a.m, a.m, a.k, false, static_cast<half*>(a.xh),
+        g.x_gstride);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  switch (K) {
+    case 1:
+      return exl3_gemm_grouped_k1(g, codebook, groups, stream);
+    case 2:
+      return exl3_gemm_grouped_k2(g, codebook, groups, stream);
+    case 3:
+      return exl3_gemm_grouped_k3(g, codebook, groups, stream);
+    case 4:
+      return exl3_gemm_grouped_k4(g, codebook, groups, stream);
+    case 5:
+      return exl3_gemm_grouped_k5(g, codebook, groups, stream);
+    case 6:
+      return exl3_gemm_grouped_k6(g, codebook, groups, stream);
+    case 7:
+      return exl3_gemm_grouped_k7(g, codebook, groups, stream);
+    case 8:
+      return exl3_gemm_grouped_k8(g, codebook, groups, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -139,8 +183,8 @@ cudaError_t exl3_gemm_prep_x(const void* x, long x_stride, bool bf16, const void
                              cudaStream_t stream) {
   if (m < 1 || k % 128 || x_stride % 4) return cudaErrorInvalidValue;
   const long items = static_cast<long>(m) * (k / 128);
-  prep_x_kernel<<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
-      x, x_stride, bf16, static_cast<const half*>(suh), m, m, k, false, static_cast<half*>(xh));
+  prep_x_kernel<false><<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
+      x, x_stride, bf16, static_cast<const half*>(suh), m, m, k, false, static_cast<half*>(xh), 0);
   return cudaGetLastError();
 }
 
@@ -149,8 +193,8 @@ cudaError_t exl3_gemm_prep_x_blocked(const void* x, long x_stride, bool bf16, co
   if (m < 1 || k % 128 || x_stride % 4) return cudaErrorInvalidValue;
   const int rows = (m + 7) / 8 * 8;
   const long items = static_cast<long>(rows) * (k / 128);
-  prep_x_kernel<<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
-      x, x_stride, bf16, static_cast<const half*>(suh), m, rows, k, true, static_cast<half*>(xb));
+  prep_x_kernel<false><<<static_cast<unsigned>((items + 7) / 8), 256, 0, stream>>>(
+      x, x_stride, bf16, static_cast<const half*>(suh), m, rows, k, true, static_cast<half*>(xb), 0);
   return cudaGetLastError();
 }
 

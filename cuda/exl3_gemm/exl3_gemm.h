@@ -8,6 +8,7 @@
 //   k, n multiples of 128; codebook 0=3inst 1=mcg 2=mul1
 //   ws    fp32 [64 * n] and counters int32 [n / 128]: per (device, stream), all zero on entry; the kernel leaves
 //         them zero again (the last block of each 128-column strip reads and clears its strip).
+// Grouped small-m launch (exl3_gemm_grouped): mats matrices of one shape and rate, each as above, in one launch.
 // Launchers return cudaError_t; they never synchronize or allocate.
 #pragma once
 #include <cuda_runtime.h>
@@ -37,6 +38,18 @@ struct Exl3GemmSmallArgs {
 // Small-m path: decode in registers + mma.sync, split-k with an fp32 reduction in ws. m <= 64 per launch
 // (the caller slices larger m). groups = tokens / 8 rounded up to 1, 2, 4 or 8.
 cudaError_t exl3_gemm_small(const Exl3GemmSmallArgs& a, int K, int codebook, int groups, cudaStream_t stream);
+
+// Grouped small-m path: `mats` GEMMs of one shape, rate and codebook in one launch of the small kernel (grid.z =
+// mats). Matrix i reads x + i * x_gstride and writes out + i * out_gstride (elements, multiples of 4; a.x and
+// a.out are matrix 0's); trellis [mats, k/16, n/16, 16*K], suh [mats, k], svh and bias [mats, n], xh (the x'
+// prep buffer, when set) [mats, m, k], ws [mats, 64, n] and counters [mats, n / 128] are stacked.
+struct Exl3GemmGroupedArgs {
+  Exl3GemmSmallArgs a;
+  int mats;
+  long x_gstride;
+  long out_gstride;
+};
+cudaError_t exl3_gemm_grouped(const Exl3GemmGroupedArgs& g, int K, int codebook, int groups, cudaStream_t stream);
 
 // Fused large-m path (sm_90a only; the launcher returns cudaErrorInvalidDeviceFunction on other GPUs):
 // y' = x' · W_hat with the trellis decoded into wgmma operands (fused_sm90.cuh). xb = x' in the blocked layout of
@@ -80,6 +93,8 @@ cudaError_t exl3_gemm_capture_id(cudaStream_t stream, unsigned long long* id);
 // One launcher per whole rate, each in its own translation unit (exl3_gemm_k<K>.cu).
 #define TWINSPARK_EXL3_GEMM_DECLARE(K)                                                                         \
   cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream); \
+  cudaError_t exl3_gemm_grouped_k##K(const Exl3GemmGroupedArgs& g, int codebook, int groups,                   \
+                                     cudaStream_t stream);                                                     \
   cudaError_t exl3_gemm_dequant_w_k##K(const int16_t* trellis, const void* suh, const void* svh, int tiles_k,  \
                                        int tiles_n, int codebook, bool bf16, void* w, cudaStream_t stream);    \
   cudaError_t exl3_gemm_fused_k##K(const Exl3GemmFusedArgs& a, int codebook, int block, cudaStream_t stream);

@@ -16,12 +16,17 @@
 // Reduction over splits: fp32 red.add into ws[token, n]; the last block of the strip (an acquire-release
 // arrival on its counter) applies the output Hadamard, svh and bias, writes out, and clears its ws strip and
 // counter (graph-safe, no memset).
+// Grouped launch (exl3_gemm_grouped: the kernel's parameter is an Exl3GemmGroupedArgs): grid.z = mats matrices of
+// one shape, block z works on matrix z with its own x, trellis, scales, output, ws slice and counters. With one
+// matrix (an Exl3GemmSmallArgs) the matrix index and offsets are the constant 0 and fold away: the same SASS as
+// before the grouped mode existed (cuobjdump, sm_90a, nvcc 13.0).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "common/arrive.cuh"
 #include "common/pdl.cuh"
@@ -89,17 +94,20 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// This lane's 4 values of x'[t, 128 cc + 4 lane ..] as fp16 (zero for t >= m; t is warp-uniform): copied from the
-// prep buffer a.xh (exl3_gemm_prep_x made x' once: many tokens, where every strip would redo the Hadamard), or
-// fp16(H128(x ⊙ suh)) with s = this lane's 4 suh values of chunk cc.
-__device__ __forceinline__ uint2 x_row(const Exl3GemmSmallArgs& a, int t, int cc, const float (&s)[4], int lane) {
+// This lane's 4 values of x'[t, 128 cc + 4 lane ..] of matrix mat (x at a.x + x_off elements) as fp16 (zero for
+// t >= m; t is warp-uniform): copied from the prep buffer a.xh (exl3_gemm_prep_x made x' once: many tokens, where
+// every strip would redo the Hadamard), or fp16(H128(x ⊙ suh)) with s = this lane's 4 suh values of chunk cc.
+__device__ __forceinline__ uint2 x_row(const Exl3GemmSmallArgs& a, int mat, long x_off, int t, int cc,
+                                       const float (&s)[4], int lane) {
   if (t >= a.m) return make_uint2(0u, 0u);
+  // (Each matrix offset is added to the base pointer on its own: with one matrix, mat is the constant 0 and the
+  // expressions after it are the single-matrix kernel's.)
   if (a.xh)
-    return *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) + static_cast<size_t>(t) * a.k + 128 * cc +
-                                           4 * lane);
+    return *reinterpret_cast<const uint2*>(static_cast<const half*>(a.xh) + static_cast<size_t>(mat) * a.m * a.k +
+                                           static_cast<size_t>(t) * a.k + 128 * cc + 4 * lane);
   float v[4];
-  exl3::load4(static_cast<const char*>(a.x) + (static_cast<size_t>(t) * a.x_stride + 128 * cc + 4 * lane) * 2, a.bf16,
-              v);
+  const char* x = static_cast<const char*>(a.x) + x_off * 2;
+  exl3::load4(x + (static_cast<size_t>(t) * a.x_stride + 128 * cc + 4 * lane) * 2, a.bf16, v);
 #pragma unroll
   for (int e = 0; e < 4; ++e) v[e] *= s[e];
   exl3::hadamard128_warp(v, lane);
@@ -107,22 +115,23 @@ __device__ __forceinline__ uint2 x_row(const Exl3GemmSmallArgs& a, int t, int cc
   return make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
 }
 
-__device__ __forceinline__ void suh4(const Exl3GemmSmallArgs& a, int cc, int lane, float (&s)[4]) {
+__device__ __forceinline__ void suh4(const Exl3GemmSmallArgs& a, int mat, int cc, int lane, float (&s)[4]) {
   s[0] = s[1] = s[2] = s[3] = 0.f;
-  if (!a.xh) exl3::load4_half(static_cast<const half*>(a.suh) + 128 * cc + 4 * lane, s);
+  if (!a.xh) exl3::load4_half(static_cast<const half*>(a.suh) + mat * a.k + 128 * cc + 4 * lane, s);
 }
 
 // x'[t, 0:128] of chunk c for tokens t < 8*groups (rows >= m are zero), fp16 into xs (row stride kXRow): warp w
 // makes rows w, w + 8, ... (Tried: issuing chunk c+1's loads before chunk c's decode; measured slower on the H200
 // at every m, with 125 registers at 8 groups: NOTES.md v2.)
 template <int G>
-__device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, half* xs, int warp, int lane) {
+__device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int mat, long x_off, int c, half* xs,
+                                             int warp, int lane) {
   float s[4];
-  suh4(a, c, lane, s);
+  suh4(a, mat, c, lane, s);
 #pragma unroll
   for (int i = 0; i < G; ++i) {
     const int t = warp + 8 * i;
-    *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = x_row(a, t, c, s, lane);
+    *reinterpret_cast<uint2*>(xs + t * kXRow + 4 * lane) = x_row(a, mat, x_off, t, c, s, lane);
   }
 }
 
@@ -130,14 +139,15 @@ __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int c, 
 // xs + w * m * kXRowRaw (m rows per chunk, row stride kXRowRaw), duplicated (exl3::store_x4_dup) for the raw
 // decode, else plain. The ldmatrix addresses of tokens >= m repeat row m - 1 (their outputs are never stored).
 template <bool RAW>
-__device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int c, int n, half* xs, int warp, int lane) {
+__device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int mat, long x_off, int c, int n,
+                                              half* xs, int warp, int lane) {
   if (warp >= n) return;
   half* xw = xs + warp * a.m * kXRowRaw;
   float s[4];
-  suh4(a, c + warp, lane, s);
+  suh4(a, mat, c + warp, lane, s);
 #pragma unroll 1
   for (int t = 0; t < a.m; ++t) {  // a.m <= 8 here
-    const uint2 v = x_row(a, t, c + warp, s, lane);
+    const uint2 v = x_row(a, mat, x_off, t, c + warp, s, lane);
     if constexpr (RAW) {
       exl3::store_x4_dup(reinterpret_cast<uint32_t*>(xw + t * kXRowRaw), lane, v);
     } else {
@@ -146,8 +156,15 @@ __device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int c,
   }
 }
 
-template <int K, int CB, int G>
-__global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(const Exl3GemmSmallArgs a) {
+// The small kernel's parameter: one matrix, or the grouped launch (its matrix count and group strides).
+__host__ __device__ __forceinline__ const Exl3GemmSmallArgs& args_of(const Exl3GemmSmallArgs& a) { return a; }
+__host__ __device__ __forceinline__ const Exl3GemmSmallArgs& args_of(const Exl3GemmGroupedArgs& g) { return g.a; }
+template <class P>
+constexpr bool kGrouped = std::is_same_v<P, Exl3GemmGroupedArgs>;
+
+template <int K, int CB, int G, class P>
+__global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(const P p) {
+  const Exl3GemmSmallArgs& a = args_of(p);
   constexpr int kStages = num_stages(K);
   constexpr int kStageWords = stage_words(K);
   extern __shared__ uint4 smem_raw[];
@@ -156,6 +173,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(con
   __shared__ int s_last;
 
   const int strip = blockIdx.x, split = blockIdx.y;
+  // This block's matrix and where its x and out start (one matrix: the constant 0, every offset folds away).
+  int mat = 0;
+  long x_off = 0, out_off = 0;
+  if constexpr (kGrouped<P>) mat = blockIdx.z, x_off = mat * p.x_gstride, out_off = mat * p.out_gstride;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kc = a.k >> 7;
   const int c0 = split * a.chunks_per_split;
@@ -173,8 +194,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(con
     uint4* dst = reinterpret_cast<uint4*>(stages + stage * kStageWords + warp * 64 * K);
     constexpr int kTileVec = 2 * K;  // uint4 per tile (32K bytes / 16)
     constexpr int kTotal = 8 * kTileVec, kIters = (kTotal + 31) / 32;
+    // matrix mat's trellis [k/16, n/16, 16K] starts at tile row mat * k/16 of the stacked [mats * k/16, ...]
     const uint4* base =
-        reinterpret_cast<const uint4*>(a.trellis + (static_cast<long>(8 * c) * tiles_n + 8 * strip + warp) * 16 * K);
+        reinterpret_cast<const uint4*>(a.trellis + 8L * mat * kc * tiles_n * 16 * K +
+                                       (static_cast<long>(8 * c) * tiles_n + 8 * strip + warp) * 16 * K);
 #pragma unroll
     for (int j = 0; j < kIters; ++j) {
       const int i = lane + 32 * j;
@@ -214,12 +237,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(con
       xb = xs + (i % kXChunks) * a.m * kXRowRaw;
       if (i % kXChunks == 0) {
         if (i > 0) __syncthreads();  // everyone is done with the previous round's x'
-        make_x_chunks<kRaw>(a, c0 + i, min(kXChunks, nchunks - i), xs, warp, lane);
+        make_x_chunks<kRaw>(a, mat, x_off, c0 + i, min(kXChunks, nchunks - i), xs, warp, lane);
         __syncthreads();
       }
     } else {
       xb = xs + (i & 1) * (8 * G * kXRow);
-      make_x_chunk<G>(a, c0 + i, xb, warp, lane);
+      make_x_chunk<G>(a, mat, x_off, c0 + i, xb, warp, lane);
       __syncthreads();  // x' of this chunk is made by all warps
     }
     cp_async_wait<kStages - 2>();  // this lane's copies of chunk i have landed
@@ -265,43 +288,46 @@ __global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(con
   // L2 sectors per instruction. (Tried: 16-byte red.add.v4 into a token-minor layout: 2x slower at m=64 on the
   // H200 because each lane then hits its own sector: NOTES.md v2.)
   const int col = strip * 128 + warp * 16 + (lane >> 2);
+  float* const ws = a.ws + static_cast<long>(mat) * 64 * a.n;  // this matrix's [64, n] slice
+  const int counter = mat * (a.n >> 7) + strip;  // in counters [mats, n / 128]
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const int t = 8 * g + 2 * (lane & 3);
     if (t < a.m) {
-      atomicAdd(a.ws + static_cast<long>(t) * a.n + col, acc[g][0]);
-      atomicAdd(a.ws + static_cast<long>(t) * a.n + col + 8, acc[g][2]);
+      atomicAdd(ws + static_cast<long>(t) * a.n + col, acc[g][0]);
+      atomicAdd(ws + static_cast<long>(t) * a.n + col + 8, acc[g][2]);
     }
     if (t + 1 < a.m) {
-      atomicAdd(a.ws + static_cast<long>(t + 1) * a.n + col, acc[g][1]);
-      atomicAdd(a.ws + static_cast<long>(t + 1) * a.n + col + 8, acc[g][3]);
+      atomicAdd(ws + static_cast<long>(t + 1) * a.n + col, acc[g][1]);
+      atomicAdd(ws + static_cast<long>(t + 1) * a.n + col + 8, acc[g][3]);
     }
   }
   __syncthreads();  // the block's adds, then one acquire-release arrival (common/arrive.cuh)
-  if (threadIdx.x == 0) s_last = arrive_acq_rel(a.counters + strip) == a.splits - 1;
+  if (threadIdx.x == 0) s_last = arrive_acq_rel(a.counters + counter) == a.splits - 1;
   __syncthreads();
   if (!s_last) return;
 
   // Last block of this strip: every split's partial sum is in ws (L2). Output Hadamard, scales, bias; clear.
   float sv[4], bs[4] = {0.f, 0.f, 0.f, 0.f};
-  exl3::load4_half(static_cast<const half*>(a.svh) + strip * 128 + 4 * lane, sv);
-  if (a.bias) exl3::load4_half(static_cast<const half*>(a.bias) + strip * 128 + 4 * lane, bs);
+  exl3::load4_half(static_cast<const half*>(a.svh) + mat * a.n + strip * 128 + 4 * lane, sv);  // svh, bias [mats, n]
+  if (a.bias) exl3::load4_half(static_cast<const half*>(a.bias) + mat * a.n + strip * 128 + 4 * lane, bs);
+  char* const out = static_cast<char*>(a.out) + out_off * 2;
   for (int t = warp; t < a.m; t += 8) {
-    float4* w = reinterpret_cast<float4*>(a.ws + static_cast<long>(t) * a.n + strip * 128 + 4 * lane);
+    float4* w = reinterpret_cast<float4*>(ws + static_cast<long>(t) * a.n + strip * 128 + 4 * lane);
     const float4 q = __ldcg(w);
     __stcg(w, make_float4(0.f, 0.f, 0.f, 0.f));
     float v[4] = {q.x, q.y, q.z, q.w};
     exl3::hadamard128_warp(v, lane);
 #pragma unroll
     for (int e = 0; e < 4; ++e) v[e] = v[e] * sv[e] + bs[e];
-    exl3::store4(static_cast<char*>(a.out) + (static_cast<size_t>(t) * a.out_stride + strip * 128 + 4 * lane) * 2,
-                 a.bf16, v);
+    exl3::store4(out + (static_cast<size_t>(t) * a.out_stride + strip * 128 + 4 * lane) * 2, a.bf16, v);
   }
-  if (threadIdx.x == 0) a.counters[strip] = 0;
+  if (threadIdx.x == 0) a.counters[counter] = 0;
 }
 
-template <int K, int CB, int G>
-cudaError_t launch_small(const Exl3GemmSmallArgs& a, cudaStream_t stream) {
+template <int K, int CB, int G, class P>
+cudaError_t launch_small(const P& p, cudaStream_t stream) {
+  const Exl3GemmSmallArgs& a = args_of(p);
   constexpr int smem = smem_bytes(K, G);
   static_assert(smem <= 99 * 1024, "GB10: at most 99 KB of shared memory per block");
   // Raising the dynamic shared memory limit is a host-side function attribute: done once per kernel, and
@@ -311,13 +337,15 @@ cudaError_t launch_small(const Exl3GemmSmallArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (!(raised.load(std::memory_order_acquire) >> (dev & 63) & 1)) {
-    err = cudaFuncSetAttribute(small_m_kernel<K, CB, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    err = cudaFuncSetAttribute(small_m_kernel<K, CB, G, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     raised.fetch_or(uint64_t{1} << (dev & 63), std::memory_order_acq_rel);
   }
-  const dim3 grid(a.n / 128, a.splits);
-  return launch_pdl(small_m_kernel<K, CB, G>, grid, dim3(kThreads), smem_bytes(K, G, a.m < 8 * G ? a.m : 8 * G), stream,
-                    a);
+  int mats = 1;
+  if constexpr (kGrouped<P>) mats = p.mats;
+  const dim3 grid(a.n / 128, a.splits, mats);
+  return launch_pdl(small_m_kernel<K, CB, G, P>, grid, dim3(kThreads), smem_bytes(K, G, a.m < 8 * G ? a.m : 8 * G),
+                    stream, p);
 }
 
 // Large-m path, folded: the whole weight W [k, n] (row-major) in x's dtype with suh, both Hadamards and svh applied,
@@ -477,19 +505,19 @@ cudaError_t launch_dequant_w_k(const int16_t* trellis, const void* suh, const vo
   });
 }
 
-template <int K>
-cudaError_t launch_small_k(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream) {
+template <int K, class P>
+cudaError_t launch_small_k(const P& p, int codebook, int groups, cudaStream_t stream) {
   return exl3::with_codebook(codebook, [&](auto cb) {
     constexpr int CB = decltype(cb)::value;
     switch (groups) {
       case 1:
-        return launch_small<K, CB, 1>(a, stream);
+        return launch_small<K, CB, 1>(p, stream);
       case 2:
-        return launch_small<K, CB, 2>(a, stream);
+        return launch_small<K, CB, 2>(p, stream);
       case 4:
-        return launch_small<K, CB, 4>(a, stream);
+        return launch_small<K, CB, 4>(p, stream);
       case 8:
-        return launch_small<K, CB, 8>(a, stream);
+        return launch_small<K, CB, 8>(p, stream);
       default:
         return cudaErrorInvalidValue;
     }
@@ -503,6 +531,9 @@ cudaError_t launch_small_k(const Exl3GemmSmallArgs& a, int codebook, int groups,
   namespace twinspark {                                                                                        \
   cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t s) {     \
     return exl3_gemm_detail::launch_small_k<K>(a, codebook, groups, s);                                        \
+  }                                                                                                            \
+  cudaError_t exl3_gemm_grouped_k##K(const Exl3GemmGroupedArgs& g, int codebook, int groups, cudaStream_t s) { \
+    return exl3_gemm_detail::launch_small_k<K>(g, codebook, groups, s);                                        \
   }                                                                                                            \
   cudaError_t exl3_gemm_dequant_w_k##K(const int16_t* trellis, const void* suh, const void* svh, int tiles_k,  \
                                        int tiles_n, int codebook, bool bf16, void* w, cudaStream_t s) {        \
