@@ -3,7 +3,10 @@
 - ``make_tiny_v41(out_dir)``: a real V4.1 config (``DeepseekV41ForCausalLM``, nested ``text_config``) at tiny
   dimensions (``V41Spec.tiny()``) with random valid EXL3 matrices wherever the pack has EXL3 and native tensors
   where it has native ones, sharded like the pack (``model-0000i-of-0000n.safetensors`` + index), a tokenizer
-  trained in-process. Deterministic for a given seed; a few seconds. Writes ``out_dir/exl3``.
+  trained in-process. Deterministic for a given seed; a few seconds. Writes ``out_dir/exl3``, and
+  ``out_dir/engram``: the Engram tables as the original (unquantized) model stores them, which the EXL3 pack does
+  not carry (``layers.{L}.engram.embed.weight`` F8_E4M3 [rows, 256] + ``.scale`` [rows, 8], one shard per Engram
+  layer, the index and config.json), for ``invoke pack`` and the store-backed Engram of the plugin.
 - ``make_shape_only_v41(out_dir)``: the same names at the real dimensions (``V41Spec.real()``, 39 shards, ~197
   GiB of tensor bytes) as sparse files: real headers, no data (reads give zeros). For loading to the weight-shape
   stage, ``invoke budget`` and ``invoke forecast``; takes a few seconds and almost no disk.
@@ -100,8 +103,27 @@ def _dense_value(d: Dense, gen: torch.Generator) -> torch.Tensor:
     return t.to(_DT[d.dtype])
 
 
+def write_engram_tables(dst: Path, spec: V41Spec, cfg: dict, seed: int) -> None:
+    """The original model's Engram shards for `spec`'s layers (random E4M3 rows, E8M0 scales), index, config."""
+    import numpy as np
+
+    from twinspark.engram.source import INDEX_NAME, scale_name, weight_name
+    from twinspark.engram.synth import write_engram_shard
+
+    dst.mkdir(parents=True, exist_ok=True)
+    rng, weight_map = np.random.default_rng(seed), {}
+    n = len(spec.engram_layers)
+    for i, (layer, sizes) in enumerate(spec.engram_head_sizes().items()):
+        shard = f"model-{47 + i:05d}-of-{46 + n:05d}.safetensors"
+        write_engram_shard(dst / shard, {layer: sum(sizes)}, rng)
+        weight_map[weight_name(layer)] = weight_map[scale_name(layer)] = shard
+    (dst / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 def make_tiny_v41(out_dir: str | os.PathLike, seed: int = 0, shards: int = 3) -> Path:
-    """Write the tiny V4.1 EXL3 checkpoint to ``out_dir/exl3`` (replaced atomically) and return that folder."""
+    """Write the tiny V4.1 EXL3 checkpoint to ``out_dir/exl3`` and its Engram tables to ``out_dir/engram`` (each
+    replaced atomically); return the EXL3 folder."""
     from safetensors.torch import save_file
 
     from twinspark.tiny import TinySpec, _train_tokenizer, _write_tokenizer
@@ -128,11 +150,13 @@ def make_tiny_v41(out_dir: str | os.PathLike, seed: int = 0, shards: int = 3) ->
         (work / "config.json").write_text(json.dumps(cfg, indent=2))
         (work / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
         _write_tokenizer(tok, work, tok_spec)
-        dst = root / "exl3"
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(work, dst)
-        return dst
+        write_engram_tables(work / "engram", spec, config_json(spec, None), seed)
+        for sub in ("engram", "exl3"):
+            if (root / sub).exists():
+                shutil.rmtree(root / sub)
+        os.replace(work / "engram", root / "engram")
+        os.replace(work, root / "exl3")
+        return root / "exl3"
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

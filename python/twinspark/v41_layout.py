@@ -108,7 +108,7 @@ class V41Spec:
                    compress_ratios=(0, 0, 2, 1, 1, 0), kv_sources=(2, 3), index_sources=(2, 3, 4),
                    candidate_source=3, candidate_topk_blocks=4, index_heads=2, index_head_dim=128, index_topk=16,
                    experts=8, top_k=2, moe_inter=256, shared_inter=256, engram_layers=(1, 3),
-                   engram_vocab_size=1000, engram_heads=2, engram_max_ngram=4, engram_head_dim=128,
+                   engram_vocab_size=1000, engram_heads=2, engram_max_ngram=4, engram_head_dim=256,
                    engram_compressed_vocab=437, mtp_layers=1, dspark_target_layers=(2, 3, 4),
                    dspark_markov_rank=128, dspark_experts=4, dspark_top_k=2, max_position=4096,
                    k_routed_low_layers=(2,), k_shared_low_layers=(1, 2))
@@ -130,22 +130,10 @@ class V41Spec:
         return (self.engram_max_ngram - 1) * self.engram_heads
 
     def engram_head_sizes(self) -> dict[int, tuple[int, ...]]:
-        """Rows of each hash head per Engram layer: for every layer and n-gram order, ``engram_heads`` primes
-        walked up from ``engram_vocab_size`` (each prime used once across all layers; engram.md)."""
-        seen: set[int] = set()
-        out = {}
-        for layer in self.engram_layers:
-            sizes = []
-            for _ in range(self.engram_max_ngram - 1):
-                p = self.engram_vocab_size - 1
-                for _ in range(self.engram_heads):
-                    p += 1
-                    while not _is_prime(p) or p in seen:
-                        p += 1
-                    seen.add(p)
-                    sizes.append(p)
-            out[layer] = tuple(sizes)
-        return out
+        """Rows of each hash head per Engram layer (twinspark.engram.layout.v41_head_sizes)."""
+        from twinspark.engram.layout import v41_head_sizes
+
+        return v41_head_sizes(self.engram_layers, self.engram_vocab_size, self.engram_heads, self.engram_max_ngram)
 
     # ---------------------------------------------------------------------------------------------- the tensors
     def _layer(self, p: str, layer: int, mtp: bool) -> tuple[list[Linear], list[Dense]]:
@@ -260,13 +248,3 @@ class V41Spec:
             "dspark_num_experts_per_tok": self.dspark_top_k, "dspark_noise_token_id": self.vocab - 1,
         }
 
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    f = 2
-    while f * f <= n:
-        if n % f == 0:
-            return False
-        f += 1
-    return True

@@ -42,7 +42,10 @@ def _port() -> int:
 
 def _rank(model_dir: str, rank: int, world: int, port: int, out: str) -> None:
     """One tensor-parallel rank: build, load, count parameters, run every module type; results to `out`."""
+    import os
+
     sys.path.insert(0, str(HERE))
+    os.environ["TWINSPARK_ENGRAM_PACK_DIR"] = str(Path(model_dir).parent / "packs")
     import v41 as h
     from vllm.config import set_current_vllm_config
 
@@ -52,6 +55,7 @@ def _rank(model_dir: str, rank: int, world: int, port: int, out: str) -> None:
         model = h.build(cfg)
         before, loaded = h.load(model, cfg)
         got = h.module_outputs(model, SPEC, inp)
+        engram = h.engram_outputs(model, SPEC, Path(model_dir).parent / "engram")
         dcfg, dmc = h.draft_config(cfg)
         with set_current_vllm_config(dcfg):
             draft = h.build(dcfg, dmc)
@@ -59,6 +63,7 @@ def _rank(model_dir: str, rank: int, world: int, port: int, out: str) -> None:
             got |= h.draft_outputs(draft, SPEC, inp)
         limit = getattr(draft.model.layers[0].ffn.experts.routed_experts, "swiglu_limit", None)
     torch.save({"unfilled": h.unfilled(before, loaded), "draft_unfilled": h.unfilled(d_before, d_loaded),
+                "engram": engram,
                 "draft_class": type(draft).__name__, "draft_limit": limit, "outputs": got}, out)
 
 
@@ -91,7 +96,10 @@ def run_ranks(model_dir, world: int, tmp_path, timeout: float = 600, target=_ran
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    return make_tiny_v41(tmp_path_factory.mktemp("v41"))
+    model = make_tiny_v41(tmp_path_factory.mktemp("v41"))
+    for world in (1, 2):
+        v41.pack_tables(model.parent, world)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +129,40 @@ def _check(results: list[dict], dense: dict) -> None:
             assert err <= TOL, f"rank {rank} {name}: max error {err:.2e} of the largest value (allowed {TOL})"
 
 
-def test_tp1_target_and_draft_every_parameter_loaded_and_modules_equal_dense(tiny, dense, tmp_path):
-    results = run_ranks(tiny, 1, tmp_path)
-    assert "head" in results[0]["outputs"]
-    _check(results, dense)
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def ranks(request, tiny, tmp_path_factory) -> list[dict]:
+    """Every rank's results of the tiny V4.1 at tensor parallel 1 and 2 (one build per size, shared by tests)."""
+    return run_ranks(tiny, request.param, tmp_path_factory.mktemp(f"tp{request.param}"))
 
 
-def test_tp2_target_and_draft_every_parameter_loaded_and_modules_equal_dense(tiny, dense, tmp_path):
-    results = run_ranks(tiny, 2, tmp_path)
-    assert "head" in results[0]["outputs"]
-    _check(results, dense)
+def test_target_and_draft_every_parameter_loaded_and_modules_equal_dense(ranks, dense):
+    assert "head" in ranks[0]["outputs"]
+    _check(ranks, dense)
+
+
+def test_engram_rows_through_the_store_equal_vllms_engram_on_the_same_tables(ranks, tiny):
+    """The plugin's Engram table (pack files of `invoke pack`, twinspark's store and dequant) gives, through vLLM's
+    own Engram.prepare_embeddings/embed, exactly the rows of vLLM's ParallelEngramEmbedding loaded by its own
+    weight loader from the original shards (bit for bit: the same bytes through an exact dequant), and those are
+    the full table's rows at the hash ids (dead ids -1 give zero rows). vLLM's table has no parameters left here."""
+    from safetensors.torch import load_file
+    from twinspark.engram.source import scale_name, weight_name
+    from twinspark.reference.engram_dequant import engram_dequant
+
+    shards = {}
+    for f in (tiny.parent / "engram").glob("*.safetensors"):
+        shards |= load_file(str(f))
+    for rank, res in enumerate(ranks):
+        for layer in SPEC.engram_layers:
+            e = res["engram"]
+            assert int(e[f"engram.{layer}.params"]) == 0
+            assert torch.equal(e[f"engram.{layer}.forward"], e[f"engram.{layer}.vllm"]), (rank, layer)
+            assert torch.equal(e[f"engram.{layer}.embed"], e[f"engram.{layer}.vllm"]), (rank, layer)
+            ids = v41.engram_ids(SPEC, layer)
+            full = engram_dequant(shards[weight_name(layer)], shards[scale_name(layer)])
+            want = torch.where((ids >= 0)[..., None], full[ids.clamp(min=0)], torch.zeros((), dtype=full.dtype))
+            assert torch.equal(e[f"engram.{layer}.forward"], want), (rank, layer)
+            assert e[f"engram.{layer}.forward"].abs().sum() > 0
 
 
 def test_inverse_rope_undoes_vllms_rope(tiny):
@@ -173,7 +205,10 @@ def _edit(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-def _load_error(model_dir) -> str:
+def _load_error(model_dir, packs: Path) -> str:
+    import os
+
+    os.environ["TWINSPARK_ENGRAM_PACK_DIR"] = str(packs)
     cfg = v41.engine_config(model_dir)
     with v41.distributed(cfg, 0, 1, _port()):
         model = v41.build(cfg)
@@ -204,7 +239,7 @@ def test_bad_checkpoint_is_refused_naming_the_tensor(tiny, tmp_path, case, patte
                 t[f"layers.2.attn.wo_a.slice.7.{s}"] = t[f"layers.2.attn.wo_a.slice.0.{s}"].clone()
 
     model_dir = _edit(tiny, tmp_path / case, edit)
-    assert re.search(pattern, _load_error(model_dir))
+    assert re.search(pattern, _load_error(model_dir, tiny.parent / "packs"))
 
 
 # ---------------------------------------------------------------------------------------- real dimensions
@@ -215,6 +250,7 @@ def test_real_dimensions_load_to_weight_shapes_at_tp2(tmp_path):
     from twinspark.tiny_v41 import make_shape_only_v41
 
     real = make_shape_only_v41(tmp_path / "real")
+    v41.sparse_packs(real, 2)
     results = run_ranks(real, 2, tmp_path, target=_shape_rank)
     for rank, res in enumerate(results):
         assert "error" not in res, f"rank {rank}: {res.get('error')}"
@@ -232,8 +268,78 @@ def test_unaligned_slice_is_refused_naming_the_tensor(tmp_path):
 
     spec = replace(V41Spec.tiny(), moe_inter=384, shared_inter=384)
     bad = make_shape_only_v41(tmp_path / "bad", spec, shards=2)
+    v41.sparse_packs(bad, 2)
     results = run_ranks(bad, 2, tmp_path, target=_shape_rank)
     for res in results:
         assert re.fullmatch(r"tensor \S+\.(trellis|suh|svh): this rank's tensor-parallel slice \[\d+, \d+\) does "
                             r"not start and end on a 128-wide Hadamard block; use a tensor-parallel size that "
                             r"splits this layer into multiples of 128", res["error"]), res["error"]
+
+
+# ------------------------------------------------------------------------------------------- Engram bad input
+def _engram_error(model_dir, **env) -> str:
+    """Build at TP 1 with the given Engram settings; the EngramError sentence that stops it."""
+    import os
+
+    from twinspark.engram.errors import EngramError
+
+    for k in ("TWINSPARK_ENGRAM_PACK_DIR", "TWINSPARK_ENGRAM_DIR"):
+        os.environ.pop(k, None)
+    os.environ.update({k: str(v) for k, v in env.items()})
+    cfg = v41.engine_config(model_dir)
+    with v41.distributed(cfg, 0, 1, _port()), pytest.raises(EngramError) as exc:
+        v41.build(cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_engram_missing_table_refuses_the_load(tiny, tmp_path):
+    """No pack and no original shards: the model is never built (vLLM would otherwise serve whatever its
+    uninitialised tables hold: it skips the missing-weights check for quantized models)."""
+    msg = _engram_error(tiny)
+    assert re.fullmatch(r"DeepSeek V4\.1 Engram layer 1 has no table for rank 0: .* set TWINSPARK_ENGRAM_PACK_DIR "
+                        r"to the pack files of `invoke pack` .*", msg), msg
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    msg = _engram_error(tiny, TWINSPARK_ENGRAM_PACK_DIR=empty)
+    assert re.search(r"cannot read Engram pack file .*engram-layer01-rank0of1\.tspack: .*run `invoke pack`", msg)
+
+
+def test_engram_corrupt_pack_and_pack_of_another_rank_are_refused(tiny, tmp_path):
+    import shutil
+
+    packs = tmp_path / "packs"
+    shutil.copytree(tiny.parent / "packs", packs)
+    one = packs / "engram-layer01-rank0of1.tspack"
+    raw = bytearray(one.read_bytes())
+    raw[40] ^= 0xFF  # a header byte: the checksum no longer matches
+    one.write_bytes(bytes(raw))
+    assert re.search(r"engram-layer01-rank0of1\.tspack.*(checksum|crc).*invoke pack", _engram_error(tiny, TWINSPARK_ENGRAM_PACK_DIR=packs))
+    # rank 1 of 2's rows under rank 0 of 1's name
+    shutil.copy(packs / "engram-layer01-rank1of2.tspack", one)
+    msg = _engram_error(tiny, TWINSPARK_ENGRAM_PACK_DIR=packs)
+    assert re.search(r"engram-layer01-rank0of1\.tspack holds layer 1 rows \d+\.\.\d+ of \d+, expected layer 1 rows "
+                     r"0\.\.\d+ of \d+; re-run `invoke pack`", msg), msg
+
+
+def test_engram_shards_of_the_wrong_shape_are_refused(tiny, tmp_path):
+    """Original shards whose table is not F8_E4M3 [rows, 256] (here: read as uint8, the mistake that served
+    fluent garbage for weeks, engram.md) are refused naming the tensor and the file."""
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "engram"
+    bad.mkdir()
+    src = tiny.parent / "engram"
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            t = load_file(str(f))
+            save_file({k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v) for k, v in t.items()},
+                      str(bad / f.name))
+        else:
+            (bad / f.name).write_bytes(f.read_bytes())
+    msg = _engram_error(tiny, TWINSPARK_ENGRAM_DIR=bad)
+    assert re.search(r"layers\.1\.engram\.embed\.weight in .* is U8 \[\d+, 256\], expected F8_E4M3 \[rows, 256\]", msg)
+    assert _json.loads((bad / "config.json").read_text())  # the rest of the folder was intact

@@ -12,12 +12,13 @@ for one CUDA-only call made while the model is constructed; none is active while
   ``ParallelEngramEmbedding.__init__`` (reads the SM count).
 - the DSpark draft's ``SpeculativeConfig`` is attached to the engine config after it is validated
   (``draft_config``): vLLM refuses dspark with its V1 model runner, the only one a CPU build has (V2 needs Triton).
-vLLM's Engram tables are built with ``engram_config.cpu_offload=False`` (pinned host memory needs CUDA).
+The Engram tables come from twinspark's store (``TWINSPARK_ENGRAM_PACK_DIR``: pack files made by ``pack_tables``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import types
 from pathlib import Path
@@ -70,7 +71,7 @@ def engine_config(model_dir: str | Path, world: int = 1, **kw):
 
     args = EngineArgs(model=str(model_dir), tensor_parallel_size=world, enforce_eager=True, max_model_len=256,
                       limit_mm_per_prompt={"image": 0}, dtype="bfloat16", max_num_batched_tokens=256,
-                      max_num_seqs=2, engram_config={"cpu_offload": False}, **kw)
+                      max_num_seqs=2, **kw)
     return args.create_engine_config()
 
 
@@ -87,6 +88,23 @@ def distributed(cfg, rank: int, world: int, port: int):
                                      local_rank=rank, backend="gloo")
         ensure_model_parallel_initialized(world, 1)
         yield
+
+
+def pack_tables(tiny_root: Path, world: int) -> Path:
+    """Every rank's pack files of the tiny V4.1's Engram tables (``invoke pack``'s library call), in
+    tiny_root/packs; returns that folder."""
+    from twinspark.engram.pack import pack_command
+
+    out = Path(tiny_root) / "packs"
+    for rank in range(world):
+        pack_command(Path(tiny_root) / "engram", out, rank=rank, world=world, echo=lambda _: None,
+                     layers=json_layers(Path(tiny_root) / "engram"))
+    return out
+
+
+def json_layers(model_dir: Path) -> list[int]:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return list(cfg.get("text_config", cfg)["engram_layer_ids"])
 
 
 def draft_config(cfg):
@@ -128,7 +146,6 @@ def load(model, cfg, model_config=None) -> tuple[set[str], set[str]]:
 # Parameters a loaded model may leave unloaded, and why:
 OPTIONAL = (
     r"\.(su|sv|mcg)$|_(su|sv|mcg)$",  # EXL3 placeholders of the other storage forms (legacy signs, mcg codebook)
-    r"engram\.embed_tokens\.",  # Engram tables: not in the EXL3 pack (original shards 47/48; issue 39)
     r"^(lm_head|model\.embed_tokens)\.weight$",  # the draft's: vLLM's dspark loader puts the target's there
 )
 
@@ -338,6 +355,25 @@ def meta_weights(model_dir):
         yield name, torch.empty(info.shape, dtype=_ST_DTYPES[info.dtype], device="meta")
 
 
+def sparse_packs(model_dir, world: int) -> Path:
+    """Pack files of the right header and size for every rank and Engram layer of `model_dir`'s config, with no
+    data (sparse), in model_dir/packs: what the store opens and checks at construction."""
+    from twinspark.engram.layout import EngramLayout
+    from twinspark.engram.pack import PackHeader, pack_name
+
+    layout = EngramLayout.from_config(Path(model_dir) / "config.json")
+    out = Path(model_dir) / "packs"
+    out.mkdir(exist_ok=True)
+    for layer in layout.layers:
+        for rank in range(world):
+            r = layout.rank_range(layer, rank, world)
+            h = PackHeader(layer=layer, first_row=r.first_row, last_row=r.end_row - 1, table_rows=layout.rows(layer))
+            with open(out / pack_name(layer, rank, world), "wb") as f:
+                f.write(h.encode())
+                f.truncate(h.file_bytes)
+    return out
+
+
 def shape_only_load(model_dir, rank: int, world: int, port: int) -> dict:
     """Build on the meta device and load every tensor's shape through the plugin (to the weight-shape stage:
     every rank's slice cut and checked, nothing post-processed). Extra shim, for checkpoints without a
@@ -345,6 +381,7 @@ def shape_only_load(model_dir, rank: int, world: int, port: int) -> dict:
     tokenizer) is a stand-in module."""
     from twinspark.exl3.format import Exl3FormatError
 
+    os.environ["TWINSPARK_ENGRAM_PACK_DIR"] = str(Path(model_dir) / "packs")
     cfg = engine_config(model_dir, world, skip_tokenizer_init=True)
     with distributed(cfg, rank, world, port), \
             mock.patch("vllm.models.deepseek_v41.nvidia.model.NgramHashState",
@@ -365,3 +402,50 @@ def shape_only_load(model_dir, rank: int, world: int, port: int) -> dict:
             d_loaded = draft.load_weights(meta_weights(model_dir))
         parts += sum(len(getattr(m, "exl3_parts", ())) for m in draft.modules())
     return {"unfilled": unfilled(before, set(loaded)) + unfilled(d_before, set(d_loaded)), "exl3_parts": parts}
+
+
+# ------------------------------------------------------------------------------------------------------ Engram
+def engram_ids(spec, layer: int, seed: int = 1) -> torch.Tensor:
+    """Hash ids [T, heads] of one Engram layer: global rows inside each head's range, some dead (-1)."""
+    sizes = spec.engram_head_sizes()[layer]
+    g = torch.Generator().manual_seed(seed + layer)
+    start = torch.tensor([0, *torch.tensor(sizes).cumsum(0)[:-1].tolist()])
+    ids = start + (torch.rand(T, len(sizes), generator=g) * torch.tensor(sizes)).long()
+    ids[0, ::5] = -1
+    return ids
+
+
+def engram_outputs(model, spec, shard_dir: Path) -> dict[str, torch.Tensor]:
+    """For each Engram layer: the rows through the plugin's table (module forward, and vLLM's own
+    prepare_embeddings + embed path), and vLLM's own ParallelEngramEmbedding loaded by its own weight loader from
+    the original shards, looked up in torch (its Triton lookup needs a GPU) and gathered over the ranks."""
+    from safetensors import safe_open
+    from twinspark.engram.source import scale_name, weight_name
+    from twinspark.reference.engram_dequant import engram_dequant
+    from vllm.distributed import tensor_model_parallel_all_gather
+    from vllm.models.deepseek_v41.common.engram import ParallelEngramEmbedding
+
+    out = {}
+    for layer in spec.engram_layers:
+        engram = model.language_model.model.layers[layer].engram
+        table = engram.embed_tokens
+        ids = engram_ids(spec, layer)
+        out[f"engram.{layer}.forward"] = table(ids)
+        engram.prepare_embeddings(ids)
+        out[f"engram.{layer}.embed"] = engram.embed(ids)
+        out[f"engram.{layer}.params"] = torch.tensor(sum(p.numel() for p in table.parameters()))
+        sizes = spec.engram_head_sizes()[layer]
+        with cpu_shims():
+            theirs = ParallelEngramEmbedding(sum(sizes), spec.engram_head_dim, sizes, cpu_offload=False)
+        index = json.loads((shard_dir / "model.safetensors.index.json").read_text())["weight_map"]
+        for param, name in ((theirs.weight, weight_name(layer)), (theirs.weight_scale_inv, scale_name(layer))):
+            with safe_open(str(shard_dir / index[name]), "pt") as f:
+                param.weight_loader(param, f.get_tensor(name))
+        local = ids[:, theirs.head_start: theirs.head_start + theirs.part_n_hash_cols]
+        row = local - theirs.vocab_start_idx
+        valid = (local >= theirs.vocab_start_idx) & (local < theirs.vocab_end_idx)
+        picked = row.clamp(0, theirs.weight.shape[0] - 1).reshape(-1)
+        rows = engram_dequant(theirs.weight[picked], theirs.weight_scale_inv[picked]).view(*local.shape, -1)
+        rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype))
+        out[f"engram.{layer}.vllm"] = tensor_model_parallel_all_gather(rows, dim=1) if theirs.tp_size > 1 else rows
+    return out

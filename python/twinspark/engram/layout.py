@@ -20,6 +20,37 @@ from twinspark.fileio import read_json
 ENGRAM_LAYERS = (1, 14)
 
 
+def is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def v41_head_sizes(layer_ids, vocab_size: int, heads: int, max_ngram: int) -> dict[int, tuple[int, ...]]:
+    """Rows of each hash head per Engram layer, as DeepSeek V4.1 defines them (engram.md): for every layer and
+    n-gram order 2..max_ngram, ``heads`` primes walked up from ``vocab_size``, each prime used once across all
+    layers; the heads of a layer in table order."""
+    seen: set[int] = set()
+    out = {}
+    for layer in layer_ids:
+        sizes = []
+        for _ in range(max_ngram - 1):
+            p = vocab_size - 1
+            for _ in range(heads):
+                p += 1
+                while not is_prime(p) or p in seen:
+                    p += 1
+                seen.add(p)
+                sizes.append(p)
+        out[layer] = tuple(sizes)
+    return out
+
+
 @dataclass(frozen=True)
 class RowRange:
     layer: int
@@ -72,9 +103,14 @@ class EngramLayout:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "config") -> EngramLayout:
-        """From a parsed config: layer keys are decimal strings (JSON object keys), sizes lists of integers."""
+        """From a parsed config: DeepSeek V4.1's Engram fields (``engram_layer_ids``, ``engram_vocab_size``,
+        ``engram_n_heads``, ``engram_max_ngram_size``, at the top level or in ``text_config``), or
+        ``engram_head_sizes`` (layer keys decimal strings, sizes lists of integers; synthetic checkpoints)."""
         if not isinstance(doc, dict):
             raise EngramError(f"{where} is a JSON {type(doc).__name__}, not an object; pass the model's config.json")
+        text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
+        if "engram_head_sizes" not in doc and "engram_layer_ids" in text:
+            return cls._from_v41(text, where)
         sizes = doc.get("engram_head_sizes")
         if sizes is None and isinstance(doc.get("engram"), dict):
             sizes = doc["engram"].get("engram_head_sizes", doc["engram"].get("head_sizes"))
@@ -92,6 +128,22 @@ class EngramLayout:
             return cls(head_sizes)
         except EngramError as exc:
             raise EngramError(f"{where}: {exc}") from None
+
+    @classmethod
+    def _from_v41(cls, text: dict, where: str) -> EngramLayout:
+        fields = ("engram_layer_ids", "engram_vocab_size", "engram_n_heads", "engram_max_ngram_size")
+        bad = [f for f in fields[1:] if not isinstance(text.get(f), int) or isinstance(text.get(f), bool)
+               or text.get(f) < 1]
+        ids = text.get("engram_layer_ids")
+        if bad or not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise EngramError(f"{where}: the Engram fields {', '.join(bad) or 'engram_layer_ids'} must be positive "
+                              "integers (engram_layer_ids a list of layer numbers); use the model's config.json")
+        sizes = v41_head_sizes(ids, text["engram_vocab_size"], text["engram_n_heads"], text["engram_max_ngram_size"])
+        rows = text.get("engram_num_embeddings")
+        if isinstance(rows, list) and [sum(sizes[i]) for i in ids] != rows:
+            raise EngramError(f"{where}: engram_num_embeddings {rows} does not match the hash heads its other Engram "
+                              f"fields give ({[sum(sizes[i]) for i in ids]}); use the model's own config.json")
+        return cls(sizes)
 
     @classmethod
     def from_config(cls, path: str | Path) -> EngramLayout:

@@ -17,29 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
-from twinspark.engram.layout import EngramLayout
+from twinspark.engram.layout import EngramLayout, is_prime
 from twinspark.engram.source import INDEX_NAME, SCALE_BYTES, WEIGHT_BYTES, scale_name, weight_name
 
 SHARD_OF_LAYER = {1: "model-00047-of-00048.safetensors", 14: "model-00048-of-00048.safetensors"}
 _CHUNK_ROWS = 1 << 18
 
 
-def _is_prime(n: int) -> bool:
-    if n < 2 or n % 2 == 0:
-        return n == 2
-    f = 3
-    while f * f <= n:
-        if n % f == 0:
-            return False
-        f += 2
-    return True
-
-
 def synthetic_head_sizes(rows_per_layer: int, heads: int = 24) -> list[int]:
     """`heads` distinct primes near rows_per_layer/heads (like the real tables: every head a prime slice)."""
     sizes, p = [], max(2, rows_per_layer // heads)
     while len(sizes) < heads:
-        if _is_prime(p):
+        if is_prime(p):
             sizes.append(p)
         p += 1
     return sizes

@@ -89,9 +89,6 @@ class Exl3Config(QuantizationConfig):
                    modules_to_not_convert=config.get("modules_to_not_convert"))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
-        from twinspark.vllm_plugin.engram import note_engram
-
-        note_engram(hf_config)
         self.num_layers = getattr(hf_config, "num_hidden_layers", None)
         self.o_groups = getattr(hf_config, "o_groups", None)
         if os.path.isdir(model_name):

@@ -25,6 +25,7 @@ aux streams); ``_o_proj``'s inverse RoPE is vLLM's Triton kernel on a GPU and ``
 
 from __future__ import annotations
 
+import contextlib
 import re
 import types
 
@@ -37,6 +38,7 @@ from vllm.models.deepseek_v41.nvidia.vl_model import DeepseekV41ForCausalLM
 
 from twinspark.exl3.format import Exl3FormatError
 from twinspark.vllm_plugin.config import Exl3Config
+from twinspark.vllm_plugin.engram import StoreEngram, check_layout
 from twinspark.vllm_plugin.grouped import Exl3GroupedLinearMethod
 
 _EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mul1", "mcg")
@@ -157,6 +159,19 @@ def adopt_attention(attn, qc: Exl3Config) -> None:
         idx.wk = ReplicatedLinear(old.input_size, old.output_size, bias=False, quant_config=qc, prefix=old.prefix)
 
 
+@contextlib.contextmanager
+def _store_engram():
+    """While vLLM's V4.1 model builds its decoder layers, their Engram class is StoreEngram (engram.py): the
+    tables come from twinspark's store and vLLM's pinned tables are never allocated (nothing else changes)."""
+    import vllm.models.deepseek_v41.nvidia.model as v41
+
+    saved, v41.Engram = v41.Engram, StoreEngram
+    try:
+        yield
+    finally:
+        v41.Engram = saved
+
+
 def _model_device(model: torch.nn.Module) -> torch.device | None:
     return next((p.device for p in model.parameters()), None)
 
@@ -170,11 +185,15 @@ class Exl3DeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
     hf_to_vllm_mapper = None  # set below (needs vLLM's mapper maker)
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
         qc = vllm_config.quant_config
-        self.exl3 = isinstance(qc, Exl3Config)
-        if not self.exl3:
+        if not isinstance(qc, Exl3Config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self.exl3 = False
             return
+        check_layout(vllm_config.model_config.hf_config)
+        with _store_engram():
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.exl3 = True
         cfg = self.config
         self.hf_to_vllm_mapper = self.hf_to_vllm_mapper | exl3_mapper("language_model.lm_head", cfg.o_groups)
         lm = self.language_model
