@@ -333,15 +333,19 @@ def test_kernel_op_path_matches_decoded_path(config, as_rank, gen, monkeypatch):
         torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=3e-2, msg=f"TWINSPARK_EXL3_DECODED={flag}")
 
 
-def test_engram_statement_is_logged_once(caplog):
-    from types import SimpleNamespace
+def test_engram_settings_from_the_environment(monkeypatch):
+    from pathlib import Path
 
-    from twinspark.vllm_plugin import engram
+    from twinspark.engram.errors import EngramError
+    from twinspark.vllm_plugin.engram import EngramSettings
 
-    monkey = SimpleNamespace(architectures=["DeepseekV41ForCausalLM"])
-    engram._noted = False
-    with caplog.at_level("WARNING", logger="twinspark.vllm_plugin"):
-        assert engram.note_engram(monkey) and engram.note_engram(monkey)
-        assert not engram.note_engram(SimpleNamespace(architectures=["Qwen2MoeForCausalLM"]))
-    assert [r.getMessage() for r in caplog.records].count(engram.STATUS) == 1
-    assert "Engram storage is not wired" in engram.STATUS
+    for k in ("PACK_DIR", "DIR", "CACHE_GIB", "THREADS", "QUEUE_DEPTH"):
+        monkeypatch.delenv(f"TWINSPARK_ENGRAM_{k}", raising=False)
+    assert EngramSettings.from_env() == EngramSettings(None, None, 0.0, 16, 32)
+    monkeypatch.setenv("TWINSPARK_ENGRAM_PACK_DIR", "/nvme/packs")
+    monkeypatch.setenv("TWINSPARK_ENGRAM_QUEUE_DEPTH", "64")
+    s = EngramSettings.from_env()
+    assert s.pack_dir == Path("/nvme/packs") and s.queue_depth == 64
+    monkeypatch.setenv("TWINSPARK_ENGRAM_THREADS", "many")
+    with pytest.raises(EngramError, match=r"TWINSPARK_ENGRAM_THREADS='many' is not a whole number; set it to a whole number \(default 16\)"):
+        EngramSettings.from_env()

@@ -58,8 +58,8 @@ class EngramSettings:
             try:
                 return cast(raw) if raw.strip() else default
             except ValueError:
-                raise EngramError(f"{name}={raw!r:.40} is not a number; set it to a {cast.__name__} "
-                                  f"(default {default})") from None
+                kind = "whole number" if cast is int else "number"
+                raise EngramError(f"{name}={raw!r:.40} is not a {kind}; set it to a {kind} (default {default})") from None
 
         path = lambda name: Path(env[name]) if env.get(name, "").strip() else None  # noqa: E731
         return cls(path(PACK_DIR), path(SHARD_DIR), num("TWINSPARK_ENGRAM_CACHE_GIB", float, 0.0),
