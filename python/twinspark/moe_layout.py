@@ -152,6 +152,8 @@ def plan(rates: Sequence[Sequence[float]], hidden: int, inter: int) -> tuple[tor
     A loader that knows every expert's K (from the checkpoint's shapes) allocates ``trellis`` with ``total``
     values up front and copies each matrix in later (``set_matrix``)."""
     _check_dims(hidden, inter)
+    if isinstance(rates, (str, bytes)) or not isinstance(rates, Iterable):
+        raise MoeLayoutError(f"moe layout: rates must be one (gate, up, down) triple per expert, got {rates!r:.60}")
     offsets, words, pos = [], [], 0
     for e, row in enumerate(rates):
         if isinstance(row, (str, bytes)) or not isinstance(row, Iterable) or len(row := tuple(row)) != 3:
@@ -185,11 +187,14 @@ def packed_strides(words13: int, words2: int, hidden: int, inter: int) -> tuple[
     return 2 * s13 + s2, s13
 
 
+MAX_DIM = 1 << 20  # far above any model's hidden or intermediate size; keeps every index in 64-bit range
+
+
 def _check_dims(hidden: int, inter: int) -> None:
-    if not (is_int(hidden) and is_int(inter)) or hidden <= 0 or inter <= 0 or hidden % 128 or inter % 128:
-        raise MoeLayoutError(f"moe layout: hidden ({hidden}) and intermediate ({inter}) must be positive multiples "
-                             f"of 128 (Hadamard blocks); pad the checkpoint or use a tensor-parallel degree that "
-                             f"keeps 128-column blocks whole")
+    if not all(is_int(d) and 0 < d <= MAX_DIM and d % 128 == 0 for d in (hidden, inter)):
+        raise MoeLayoutError(f"moe layout: hidden ({hidden!r:.40}) and intermediate ({inter!r:.40}) must be positive "
+                             f"multiples of 128 (Hadamard blocks) up to {MAX_DIM}; pad the checkpoint or use a "
+                             "tensor-parallel degree that keeps 128-column blocks whole")
 
 
 def _check_index(e: int, proj: int, num_experts: int) -> None:

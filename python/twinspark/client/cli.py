@@ -55,10 +55,10 @@ def _int(text, what: str, least: int = 1) -> int:
     return value
 
 
-def _number(text, what: str) -> float:
-    """A flag's finite number >= 0."""
+def _number(text, what: str, unit: float = 1.0) -> float:
+    """A flag's finite number >= 0, times `unit` (still finite)."""
     try:
-        value = float(str(text).strip())
+        value = float(str(text).strip()) * unit
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
@@ -165,7 +165,7 @@ def _budget(model_dir, tp, kv_bytes, kv_token_bytes, max_model_len, engram_dir, 
     from twinspark.client import budget as bg
 
     kv_token = _number(kv_token_bytes, "--kv-token-bytes") if kv_token_bytes else None
-    mem = int(_number(mem_available_gib, "--mem-available-gib") * GiB) if mem_available_gib else None
+    mem = int(_number(mem_available_gib, "--mem-available-gib", GiB)) if mem_available_gib else None
     try:
         return bg.analyze(model_dir, tp=_int(tp, "--tp"), kv_bytes=_size(kv_bytes, "--kv-bytes"), kv_dtype=kv_dtype,
                           kv_token_override=kv_token, max_model_len=_int(max_model_len, "--max-model-len"),

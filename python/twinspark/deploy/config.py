@@ -131,12 +131,21 @@ class Settings(BaseSettings):
     release_below_gib: float = Field(24.0, description="release between chunks only while MemAvailable is below this many GiB")
     long_prefill_tokens: int = Field(8192, ge=1, description="release once after a prefill of >= this many tokens")
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        # Only the values given: load() layers flags, environment, .env and recipe itself, and a Settings rebuilt
+        # from saved values (model_validate) must not read (or choke on) this process's environment.
+        return (init_settings,)
+
     # ------------------------------------------------------------------ validators
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_number(cls, v: Any, info) -> Any:
+    def _plain_value(cls, v: Any, info) -> Any:
         if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in (int, float):
             raise ValueError("must be a number, not true/false")
+        if isinstance(v, str) and "\x00" in v:  # no command line, environment or path can hold it
+            raise ValueError("must not contain a NUL character")
         return v
 
     @field_validator("vllm_env", "head_env", "worker_env", mode="before")
@@ -151,7 +160,9 @@ class Settings(BaseSettings):
             if not all(isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v.values()):
                 raise ValueError('must map names to strings or numbers, like {"KEY": "value"} (no nested objects, '
                                  'lists, true/false or null)')
-            return {str(k): str(x) for k, x in v.items()}
+            v = {str(k): str(x) for k, x in v.items()}
+            if any(not k or "=" in k or "\x00" in k + x for k, x in v.items()):
+                raise ValueError("must map environment variable names (not empty, no '=') to values (no NUL)")
         return v
 
     @field_validator("model_dir", "state_dir", "wheel_dir", "log_dir", "sysfs_root", "served_model_name", "ssh_user",
