@@ -18,6 +18,7 @@ The file is a synthetic layer (write_synthetic_checkpoint) packed with twinspark
 own cache below a virtual disk (if any) serves fio and the store alike.
 
     python bench/bench_engram_store.py [--gib 6] [--threads 1,8,32,96] [--queue-depth 32] [--seconds 3]
+    python bench/bench_engram_store.py --decode-step    # V4.1's decode-step lookups in a CUDA graph (decode_step)
 """
 
 from __future__ import annotations
@@ -123,6 +124,71 @@ def run_python(path: Path, rows: int, threads: int, seconds: float, direct: bool
     return done / elapsed, cpu * 1e6 / done
 
 
+def decode_step(root: Path, gib: float, tokens: tuple[int, ...], iters: int = 200) -> list[bk.Record]:
+    """DeepSeek V4.1's Engram lookups of one decode step on one rank of TP 2, the way the vLLM plugin runs them
+    (vllm_plugin/engram.py: StoreEngramEmbedding.lookup on a GPU): 2 Engram layers, 12 hash heads per rank, T
+    tokens -> 12*T rows per layer from that layer's pack file (O_DIRECT, cache off), fetched and dequantized to
+    bf16 by EngramStaging.fetch, both layers captured in one CUDA graph. Each replay gets fresh random ids (copied
+    into the graph's id buffers before it); the first replay's rows are checked against the file read directly.
+    Prints µs per step (median over `iters` replays, CUDA events) and the host memory the tables cost."""
+    from twinspark.engram.source import SCALE_BYTES, WEIGHT_BYTES
+    from twinspark.reference.engram_dequant import engram_dequant
+
+    heads, out = 12, []
+    files = []
+    for layer in (1, 14):
+        path, rows = make_pack_file(root / f"layer{layer}", gib)
+        files.append((path, rows))
+    for T in tokens:
+        n = heads * T
+        stores = [EngramStore.from_pack(p, threads=16, queue_depth=32) for p, _ in files]
+        stagings = [st.staging(n) for st in stores]
+        ids = [torch.zeros(n, dtype=torch.int64, device="cuda") for _ in stores]
+        outs = [torch.empty(n, WEIGHT_BYTES, dtype=torch.bfloat16, device="cuda") for _ in stores]
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for sg, i, o in zip(stagings, ids, outs):  # warm-up outside capture on the capture stream
+                sg.fetch(i, out=o)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for sg, i, o in zip(stagings, ids, outs):
+                    sg.fetch(i, out=o)
+        gen = torch.Generator().manual_seed(T)
+        times = []
+        for it in range(iters + 5):
+            host = [torch.randint(0, r, (n,), generator=gen) for _, r in files]
+            for i, h in zip(ids, host):
+                i.copy_(h)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if it >= 5:
+                times.append(start.elapsed_time(end) * 1e3)
+            if it == 0:
+                for (path, _), h, o in zip(files, host, outs):
+                    table = np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES)
+                    raw = table.reshape(-1, RECORD_BYTES)[h.numpy()]
+                    w = torch.from_numpy(raw[:, :WEIGHT_BYTES].copy()).view(torch.float8_e4m3fn)
+                    sc = torch.from_numpy(raw[:, WEIGHT_BYTES:WEIGHT_BYTES + SCALE_BYTES].copy())
+                    assert torch.equal(o.cpu(), engram_dequant(w, sc)), f"rows of {path} differ from the file"
+        for sg in stagings:
+            sg.check()
+        med = float(np.median(times))
+        host_b = sum(st.host_bytes for st in stores)
+        pinned = sum(st.pinned_bytes for st in stores)
+        print(f"decode step T={T}: 2 layers x {n} rows (12 heads x {T} tokens) in one CUDA graph: {med:.1f} µs "
+              f"median over {iters} replays (min {min(times):.1f}); rows equal the file's; host memory "
+              f"{host_b / 2**20:.2f} MiB (I/O buffers, cache off) + {pinned / 2**10:.1f} KiB pinned staging")
+        out.append(bk.Record(op="engram_store", shape={"tokens": T, "rows": 2 * n, "layers": 2}, median_us=med,
+                             bytes=2 * n * RECORD_BYTES, variant="decode-step-graph",
+                             notes=f"host {host_b} B + pinned {pinned} B; {stores[0].io_path}"))
+        del graph, stagings, stores
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=6.0, help="size of the pack file to read (GiB)")
@@ -132,8 +198,22 @@ def main() -> None:
                     help="store read path (fio follows it)")
     ap.add_argument("--seconds", type=float, default=3.0, help="measuring time per method and thread count")
     ap.add_argument("--dir", default="/tmp", help="where the temporary file goes (deleted afterwards)")
+    ap.add_argument("--decode-step", action="store_true",
+                    help="only the V4.1 decode step's lookups in a CUDA graph (T = 1 and 4; needs a GPU); its "
+                         "records replace the decode-step records of engram_store.json")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
+    if args.decode_step:
+        root = Path(tempfile.mkdtemp(prefix="twinspark-engram-decode-", dir=args.dir))
+        try:
+            new = decode_step(root, min(args.gib, 2.0), (1, 4))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        old = bk.default_out_dir() / "engram_store.json"
+        kept = [r for r in bk.load_results(old)["records"] if r.variant != "decode-step-graph"] \
+            if old.exists() else []
+        bk.write_results("engram_store", kept + new)
+        return
 
     root = Path(tempfile.mkdtemp(prefix="twinspark-engram-bench-", dir=args.dir))
     records, lines = [], []

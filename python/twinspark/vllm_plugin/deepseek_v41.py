@@ -37,6 +37,7 @@ from vllm.models.deepseek_v41.nvidia.dspark import DSparkDeepseekV4ForCausalLM
 from vllm.models.deepseek_v41.nvidia.vl_model import DeepseekV41ForCausalLM
 
 from twinspark.exl3.format import Exl3FormatError
+from twinspark.staging import staged
 from twinspark.vllm_plugin.config import Exl3Config
 from twinspark.vllm_plugin.engram import StoreEngram, check_layout
 from twinspark.vllm_plugin.grouped import Exl3GroupedLinearMethod
@@ -44,7 +45,6 @@ from twinspark.vllm_plugin.grouped import Exl3GroupedLinearMethod
 _EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mul1", "mcg")
 _SUFFIX = "(" + "|".join(_EXL3_SUFFIXES) + ")"
 _SLICE = re.compile(r"\.wo_a\.slice\.(\d+)\.")
-STAGE_MIN_BYTES = 1 << 20  # smaller tensors are copied as they are (the buffer's reuse is for the big ones)
 
 
 def exl3_mapper(lm_head: str, groups: int) -> WeightsMapper:
@@ -52,29 +52,6 @@ def exl3_mapper(lm_head: str, groups: int) -> WeightsMapper:
     to ``wo_a`` with its group as the shard id (vLLM's stacked rename; ``apply`` sets ``tensor.shard_id``)."""
     return WeightsMapper(orig_to_new_regex={re.compile(rf"^head\.{_SUFFIX}$"): rf"{lm_head}.\1"},
                          orig_to_new_stacked={f".wo_a.slice.{g}.": (".wo_a.", g) for g in range(groups)})
-
-
-def staged(weights, device: torch.device | None):
-    """Yield (name, tensor) with every CPU tensor of at least STAGE_MIN_BYTES copied into one reusable pinned
-    buffer first (grown by doubling) when the model lives on a CUDA device; as is otherwise. Consumers copy
-    the tensor to the device before asking for the next one (vLLM's loaders and Exl3Parts do)."""
-    if device is None or device.type != "cuda":
-        yield from weights
-        return
-    buf = None
-    for name, t in weights:
-        nbytes = t.numel() * t.element_size()
-        if t.device.type != "cpu" or nbytes < STAGE_MIN_BYTES:
-            yield name, t
-            continue
-        if buf is None or buf.numel() < nbytes:
-            size = max(nbytes, 2 * (0 if buf is None else buf.numel()))
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        view = buf[:nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        if hasattr(t, "shard_id"):
-            view.shard_id = t.shard_id
-        yield name, view
 
 
 def homed(model: torch.nn.Module, mapper: WeightsMapper, weights):
