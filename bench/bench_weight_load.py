@@ -8,7 +8,8 @@ copied to the GPU, dense tensors copied whole:
   - staged: every tensor through twinspark.staging's one reusable pinned buffer (the plugin's path);
   - direct: straight from the mapping.
 Printed per path: wall time, GB/s of file bytes, and the peak growth of the process's anonymous host memory
-(RssAnon, sampled every millisecond) over the load: what one layer's load costs in host memory. The H200's host
+(RssAnon, sampled every millisecond) over the load, and the pinned staging buffer (page-locked by the CUDA
+driver, not in RssAnon): what one layer's load costs in host memory. The H200's host
 does not copy-on-write mapped pages the way GB10's driver does (deepseek-v41.md section 6), so the direct path's
 figure here is a lower bound of GB10's; the staged path's is what it costs there too. Writes weight_load.json.
 
@@ -39,9 +40,9 @@ from twinspark.vllm_plugin.parts import Cut, Exl3Parts  # noqa: E402
 _DT = {"BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def rss_anon() -> int:
+def rss_anon(field: str = "RssAnon") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -83,18 +84,19 @@ def write_layer(path: Path, experts: int) -> tuple[dict, int]:
     return {m.name: m for m in lin}, path.stat().st_size
 
 
-def load(path: Path, mats: dict, use_staging: bool) -> tuple[float, int, int]:
-    """One load as rank 0 of 2; (seconds, peak RssAnon growth, bytes kept on the GPU)."""
+def load(path: Path, mats: dict, use_staging: bool) -> tuple[float, int, int, int]:
+    """One load as rank 0 of 2; (seconds, peak RssAnon growth, pinned staging bytes, bytes kept on the GPU)."""
     from safetensors import safe_open
 
     gc.collect()
     torch.cuda.synchronize()
     base, kept = rss_anon(), []
     parts: dict[str, Exl3Parts] = {}
+    stats = {"pinned_bytes": 0}
     t0 = time.perf_counter()
     with Peak() as peak, safe_open(str(path), framework="pt") as f:
         weights = ((n, f.get_tensor(n)) for n in sorted(f.keys()))
-        for name, t in (staged(weights, torch.device("cuda")) if use_staging else weights):
+        for name, t in (staged(weights, torch.device("cuda"), stats) if use_staging else weights):
             head, _, suffix = name.rpartition(".")
             m = mats.get(head)
             if m is None:
@@ -111,7 +113,7 @@ def load(path: Path, mats: dict, use_staging: bool) -> tuple[float, int, int]:
         for p in parts.values())
     del parts, kept
     torch.cuda.empty_cache()
-    return secs, peak.peak - base, on_gpu
+    return secs, peak.peak - base, stats["pinned_bytes"], on_gpu
 
 
 def main() -> None:
@@ -128,13 +130,15 @@ def main() -> None:
         print(f"layer 0 at real dimensions: {len(mats)} EXL3 matrices, {nbytes / 2**30:.2f} GiB file "
               f"(written in {time.perf_counter() - t0:.1f} s)")
         for use in (True, False, True):  # staged twice: the first run also pays the page cache's first read
-            secs, grow, on_gpu = load(root / "layer0.safetensors", mats, use)
+            secs, grow, pinned, on_gpu = load(root / "layer0.safetensors", mats, use)
             variant = "staged" if use else "direct"
             print(f"{variant:7s}: {secs:6.2f} s, {nbytes / secs / 1e9:5.2f} GB/s of file, host anon memory "
-                  f"+{grow / 2**20:8.1f} MiB at peak, {on_gpu / 2**30:.2f} GiB kept on the GPU (rank 0 of 2)")
+                  f"+{grow / 2**20:8.1f} MiB at peak, pinned staging {pinned / 2**20:6.1f} MiB, "
+                  f"{on_gpu / 2**30:.2f} GiB kept on the GPU (rank 0 of 2)")
             records.append(bk.Record(op="weight_load", shape={"layer": 0, "experts": args.experts, "tp": 2},
                                      median_us=secs * 1e6, bytes=nbytes, variant=variant,
-                                     notes=f"host anon +{grow / 2**20:.1f} MiB peak; {on_gpu / 2**30:.2f} GiB on GPU"))
+                                     notes=f"host anon +{grow / 2**20:.1f} MiB peak, pinned {pinned / 2**20:.1f} "
+                                           f"MiB; {on_gpu / 2**30:.2f} GiB on GPU"))
         largest = max((m.k // 16) * (m.n // 16) * int(16 * m.K) * 2 for m in mats.values())
         print(f"largest EXL3 tensor of the layer: {largest / 2**20:.1f} MiB (the pinned buffer holds the largest "
               "tensor staged: the layer's, or the embedding's 1,263 MiB in a whole-model load)")

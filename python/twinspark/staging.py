@@ -16,11 +16,13 @@ import torch
 STAGE_MIN_BYTES = 1 << 20  # smaller tensors are copied as they are (the buffer's reuse is for the big ones)
 
 
-def staged(weights: Iterable[tuple[str, torch.Tensor]], device: torch.device | None) -> Iterator[tuple[str, torch.Tensor]]:
+def staged(weights: Iterable[tuple[str, torch.Tensor]], device: torch.device | None,
+           stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) with every CPU tensor of at least STAGE_MIN_BYTES copied into one reusable pinned
     buffer first (grown by doubling) when the target device is CUDA; as is otherwise. The consumer must copy the
     tensor to the device before asking for the next one (vLLM's loaders and Exl3Parts do): the next tensor
-    overwrites the buffer. A ``shard_id`` attribute (vLLM's stacked renames) is carried over."""
+    overwrites the buffer. A ``shard_id`` attribute (vLLM's stacked renames) is carried over. ``stats`` (a dict)
+    gets ``pinned_bytes``: the buffer's size at the end."""
     if device is None or torch.device(device).type != "cuda":
         yield from weights
         return
@@ -34,6 +36,8 @@ def staged(weights: Iterable[tuple[str, torch.Tensor]], device: torch.device | N
             size = max(nbytes, 2 * (0 if buf is None else buf.numel()))
             buf = None  # free the old buffer before pinning the larger one
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            if stats is not None:
+                stats["pinned_bytes"] = size
         view = buf[:nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         if hasattr(t, "shard_id"):

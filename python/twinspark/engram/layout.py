@@ -132,12 +132,15 @@ class EngramLayout:
     @classmethod
     def _from_v41(cls, text: dict, where: str) -> EngramLayout:
         fields = ("engram_layer_ids", "engram_vocab_size", "engram_n_heads", "engram_max_ngram_size")
+        # bounds far above V4.1's (16,000,000 / 8 / 4): the prime walk below would not end on absurd values
+        limits = {"engram_vocab_size": 1 << 31, "engram_n_heads": 256, "engram_max_ngram_size": 16}
         bad = [f for f in fields[1:] if not isinstance(text.get(f), int) or isinstance(text.get(f), bool)
-               or text.get(f) < 1]
+               or not 1 <= text.get(f) <= limits[f]]
         ids = text.get("engram_layer_ids")
-        if bad or not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+        if bad or not isinstance(ids, list) or len(ids) > 64 or not all(isinstance(i, int) and i >= 0 for i in ids):
             raise EngramError(f"{where}: the Engram fields {', '.join(bad) or 'engram_layer_ids'} must be positive "
-                              "integers (engram_layer_ids a list of layer numbers); use the model's config.json")
+                              "integers (engram_vocab_size < 2^31, engram_n_heads <= 256, engram_max_ngram_size <= "
+                              "16; engram_layer_ids a list of layer numbers); use the model's config.json")
         sizes = v41_head_sizes(ids, text["engram_vocab_size"], text["engram_n_heads"], text["engram_max_ngram_size"])
         rows = text.get("engram_num_embeddings")
         if isinstance(rows, list) and [sum(sizes[i]) for i in ids] != rows:

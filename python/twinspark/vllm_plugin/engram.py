@@ -35,7 +35,7 @@ import torch
 from vllm.models.deepseek_v41.common.engram import Engram
 
 from twinspark.engram.errors import EngramError
-from twinspark.engram.layout import v41_head_sizes
+from twinspark.engram.layout import EngramLayout
 
 _log = logging.getLogger("twinspark.vllm_plugin")
 PACK_DIR, SHARD_DIR = "TWINSPARK_ENGRAM_PACK_DIR", "TWINSPARK_ENGRAM_DIR"
@@ -172,13 +172,10 @@ class StoreEngram(Engram):
 
 
 def check_layout(hf_config) -> None:
-    """vLLM's prime walk and twinspark's (engram/layout.py, which `invoke pack` uses) must agree on every head."""
-    ids = list(getattr(hf_config, "engram_layer_ids", None) or [])
-    if not ids:
+    """vLLM's prime walk and twinspark's (engram/layout.py, which `invoke pack` uses) must agree on every head:
+    the config's Engram fields are checked (types, bounds) and its row counts recomputed."""
+    if not getattr(hf_config, "engram_layer_ids", None):
         return
-    ours = v41_head_sizes(ids, hf_config.engram_vocab_size, hf_config.engram_n_heads,
-                          hf_config.engram_max_ngram_size)
-    rows = [sum(ours[i]) for i in ids]
-    if rows != list(hf_config.engram_num_embeddings):
-        raise EngramError(f"config.json engram_num_embeddings {list(hf_config.engram_num_embeddings)} does not match "
-                          f"the hash heads its Engram fields give ({rows}); use the model's own config.json")
+    fields = {k: getattr(hf_config, k, None) for k in ("engram_vocab_size", "engram_n_heads", "engram_max_ngram_size")}
+    fields |= {k: list(getattr(hf_config, k, None) or []) for k in ("engram_layer_ids", "engram_num_embeddings")}
+    EngramLayout.from_dict(fields, "config.json")
