@@ -98,7 +98,7 @@ def test_errors_are_one_sentence(key, value, words):
 def test_error_names_its_source(tmp_path):
     dot = tmp_path / ".env"
     dot.write_text("MAX_MODEL_LEN=2000000\n")
-    with pytest.raises(DeployError, match=r"MAX_MODEL_LEN='2000000' \(from \.env\) is invalid.*fix \.env"):
+    with pytest.raises(DeployError, match=r"MAX_MODEL_LEN='2000000' \(from \.env\) is invalid.*fix the \.env file .*/\.env\."):
         config.load({}, env_file=dot)
 
 
@@ -166,3 +166,26 @@ def test_fabric_auto_refuses_a_loopback_head_address():
         api.apply_fabric(s, where, head, worker)
     s2, where2 = config.load({"HEAD_IP": "127.0.0.1", "HEAD_IFNAME": "lo"}, env_file=None)
     assert api.apply_fabric(s2, where2, head, worker) is s2  # a user-set fabric key turns detection off
+
+
+def test_dotenv_line_that_does_not_parse_is_refused_naming_file_and_line(tmp_path):
+    dot = tmp_path / "my.env"
+    dot.write_text("MAX_NUM_SEQS=3\nthis is not a setting\n")
+    with pytest.raises(DeployError) as e:
+        config.load({}, env_file=dot)
+    assert str(e.value) == (f"The .env file {dot} line 2 is not KEY=VALUE ('this is not a setting'); fix or remove "
+                            "that line.")
+
+
+def test_own_api_key_is_taken_and_never_shown(tmp_path):
+    from twinspark.deploy import apikey
+
+    key = "my-own-key-0123456789"
+    s, where = config.load({"API_KEY": key, "STATE_DIR": str(tmp_path)}, env_file=None)
+    assert apikey.api_key(s) == key and apikey.key_path(tmp_path).read_text().strip() == key
+    assert apikey.key_path(tmp_path).stat().st_mode & 0o777 == 0o600
+    assert ("API_KEY", "(your key, not shown)", "flag") in config.describe(where, s)
+    with pytest.raises(DeployError) as e:
+        config.load({"API_KEY": "short secret"}, env_file=None)
+    assert "short secret" not in str(e.value)
+    assert str(e.value).startswith("API_KEY=(your key, not shown) (from flag) is invalid: must be generate, off, or")

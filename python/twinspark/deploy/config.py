@@ -70,7 +70,8 @@ class Settings(BaseSettings):
     api_host: str = Field("0.0.0.0", description="address the OpenAI API listens on, on the head")
     api_port: int = Field(8888, description="OpenAI API port on the head")
     master_port: int = Field(29501, description="torch.distributed rendezvous port on the head")
-    api_key: Literal["generate", "off"] = Field("generate", description="bearer key: generate (0600 file in STATE_DIR) or off")
+    api_key: str = Field("generate", description="bearer key: generate (a random key in a 0600 file in STATE_DIR), off, "
+                         "or your own key (16+ printable characters, no spaces; never shown)")
     tensor_parallel: int = Field(2, description="tensor parallel size (one rank per node)")
     max_model_len: int = Field(600_000, description="context length (<= 1048576)")
     max_num_seqs: int = Field(2, description="concurrent sequences")
@@ -206,6 +207,14 @@ class Settings(BaseSettings):
             shlex.split(v)
         except ValueError as exc:
             raise ValueError(f"must split into shell words ({exc})") from None
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, v: str) -> str:
+        if v not in ("generate", "off") and (len(v) < 16 or not v.isprintable() or any(c.isspace() for c in v)):
+            raise ValueError("must be generate, off, or your own key of at least 16 printable characters without "
+                             "spaces")
         return v
 
     @field_validator("max_model_len")
@@ -346,10 +355,18 @@ def _read_text(path: Path, what: str) -> str:
 
 
 def _read_dotenv(path: Path) -> dict[str, Any]:
-    """KEY=VALUE lines of a .env file (python-dotenv's syntax), keys lower-cased, values as text."""
+    """KEY=VALUE lines of a .env file (python-dotenv's syntax), keys lower-cased, values as text. A line that does
+    not parse is refused, naming the file and the line (python-dotenv itself drops it with a warning)."""
     from dotenv import dotenv_values
+    from dotenv.parser import parse_stream
 
-    values = dotenv_values(stream=io.StringIO(_read_text(path, ".env file")))
+    text = _read_text(path, ".env file")
+    bad = next((b.original for b in parse_stream(io.StringIO(text)) if b.error), None)
+    if bad is not None:
+        line = bad.string.strip()
+        shown = repr(line) if len(line) <= 60 else repr(line[:57]) + "..."
+        raise DeployError(f"The .env file {path} line {bad.line} is not KEY=VALUE ({shown}); fix or remove that line.")
+    values = dotenv_values(stream=io.StringIO(text))
     return {k.lower(): v for k, v in values.items() if v is not None}  # a bare `KEY` line sets nothing
 
 
@@ -413,14 +430,14 @@ def load(flags: dict[str, Any] | None = None, env_file: Path | str | None = "") 
     try:
         s = _S()
     except ValidationError as e:
-        raise DeployError(_sentence(e, layers)) from None
+        raise DeployError(_sentence(e, layers, env_file)) from None
     where = {}
     for name in Settings.model_fields:
         where[name.upper()] = next((src for src, d in layers.items() if name in d), "default")
     return Settings.model_validate(s.model_dump()), where
 
 
-def _sentence(e: ValidationError, layers: dict[str, dict[str, Any]]) -> str:
+def _sentence(e: ValidationError, layers: dict[str, dict[str, Any]], env_file=None) -> str:
     err = e.errors()[0]
     loc = err["loc"][0] if err["loc"] else ""
     msg = err["msg"].removeprefix("Value error, ")
@@ -429,9 +446,11 @@ def _sentence(e: ValidationError, layers: dict[str, dict[str, Any]]) -> str:
     src = next((s for s, d in layers.items() if loc in d), "default")
     val = next((d[loc] for d in layers.values() if loc in d), None)
     more = f" ({len(e.errors()) - 1} more error(s) after fixing this one)" if len(e.errors()) > 1 else ""
-    where = {"flag": "the task flag", "environment": "the environment variable", ".env": ".env",
+    where = {"flag": "the task flag", "environment": "the environment variable", ".env": f"the .env file {env_file}",
              "recipe": "the recipe file", "default": "the default (report this)"}[src]
     shown = repr(val) if len(repr(val)) <= 80 else repr(val)[:77] + "..."
+    if loc == "api_key" and val not in ("generate", "off"):
+        shown = "(your key, not shown)"
     return f"{str(loc).upper()}={shown} (from {src}) is invalid: {msg}; fix {where}{more}."
 
 
@@ -440,6 +459,8 @@ def describe(where: dict[str, str], s: Settings) -> list[tuple[str, str, str]]:
     rows = []
     for name in Settings.model_fields:
         v = getattr(s, name)
+        if name == "api_key" and v not in ("generate", "off"):
+            v = "(your key, not shown)"
         rows.append((name.upper(), "" if v is None else str(v), where[name.upper()]))
     return rows
 
