@@ -101,6 +101,12 @@ class Exl3Config(QuantizationConfig):
             self.raw_exl3 = {n.rsplit(".", 1)[0] for n in names if n.endswith(".trellis")}
             self.raw_dense = {n.rsplit(".", 1)[0] for n in names if n.endswith(".weight")}
             self.exl3_modules, self.dense_modules = set(self.raw_exl3), set(self.raw_dense)
+            if "DeepseekV41ForCausalLM" in (getattr(hf_config, "architectures", None) or []):
+                # vLLM's V4.1 class has no class-level mapper, so configure_quant_config never renames for us
+                from twinspark.vllm_plugin.deepseek_v41 import PACKED, name_mapper
+
+                self.packed_modules_mapping = PACKED
+                self.apply_vllm_mapper(name_mapper().get_rename_mapper())  # names only, as vLLM passes it
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper):
         """Rename the checkpoint's module prefixes the way the model renames its weights."""

@@ -45,6 +45,8 @@ from twinspark.vllm_plugin.grouped import Exl3GroupedLinearMethod
 _EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mul1", "mcg")
 _SUFFIX = "(" + "|".join(_EXL3_SUFFIXES) + ")"
 _SLICE = re.compile(r"\.wo_a\.slice\.(\d+)\.")
+# vLLM's fused modules of V4.1 and the checkpoint linears each packs (its model's packed_modules_mapping)
+PACKED = {"gate_up_proj": ["w1", "w3"], "fused_wqa_wkv": ["wq_a", "wkv"], "fused_wkv_wgate": ["wkv", "wgate"]}
 
 
 def exl3_mapper(lm_head: str, groups: int) -> WeightsMapper:
@@ -59,7 +61,7 @@ def homed(model: torch.nn.Module, mapper: WeightsMapper, weights):
     it, instead of vLLM's list of every parameter). A module's home is itself, the fused module vLLM packs it
     into (packed_modules_mapping), or for a routed expert the layer's experts module."""
     modules = {n for n, _ in model.named_modules()}
-    packed = type(model).packed_modules_mapping
+    packed = PACKED
 
     def has_home(path: str) -> bool:
         head, _, last = path.rpartition(".")
@@ -156,11 +158,6 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
 class Exl3DeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
     """vLLM's DeepSeek V4.1 (VL wrapper) serving the published EXL3 pack."""
 
-    # Class level, so vLLM's configure_quant_config renames the checkpoint's module names for Exl3Config.
-    packed_modules_mapping = {"gate_up_proj": ["w1", "w3"], "fused_wqa_wkv": ["wq_a", "wkv"],
-                              "fused_wkv_wgate": ["wkv", "wgate"]}
-    hf_to_vllm_mapper = None  # set below (needs vLLM's mapper maker)
-
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         qc = vllm_config.quant_config
         if not isinstance(qc, Exl3Config):
@@ -192,14 +189,12 @@ class Exl3DeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
         return loaded
 
 
-def _class_mapper() -> WeightsMapper:
+def name_mapper() -> WeightsMapper:
+    """How the wrapper renames checkpoint names, plus the EXL3 rules (o_groups is not known here: 64 covers any
+    count; only stored slices ever match). Exl3Config renames its module sets with it (maybe_update_config)."""
     from vllm.models.deepseek_v41.nvidia.vl_model import _make_deepseek_v4_vl_weights_mapper
 
-    # o_groups is not known at class level: 64 covers any group count (only the stored slices ever match).
     return _make_deepseek_v4_vl_weights_mapper("fp4", "weight_scale_inv") | exl3_mapper("language_model.lm_head", 64)
-
-
-Exl3DeepseekV41ForCausalLM.hf_to_vllm_mapper = _class_mapper()
 
 
 class Exl3DSparkV41ForCausalLM(DSparkDeepseekV4ForCausalLM):
