@@ -343,3 +343,32 @@ def test_engram_shards_of_the_wrong_shape_are_refused(tiny, tmp_path):
     msg = _engram_error(tiny, TWINSPARK_ENGRAM_DIR=bad)
     assert re.search(r"layers\.1\.engram\.embed\.weight in .* is U8 \[\d+, 256\], expected F8_E4M3 \[rows, 256\]", msg)
     assert _json.loads((bad / "config.json").read_text())  # the rest of the folder was intact
+
+
+def test_other_quantizations_build_vllms_model_unchanged(tiny, tmp_path):
+    """The plugin registers its subclass under vLLM's architecture name: without an exl3 checkpoint it is vLLM's
+    V4.1 as vLLM builds it (vLLM's Engram table, no twinspark quant methods, vLLM's own mapper)."""
+    import shutil
+
+    from vllm.models.deepseek_v41.common.engram import ParallelEngramEmbedding
+    from vllm.models.deepseek_v41.nvidia.vl_model import DeepseekV41ForCausalLM
+
+    plain = tmp_path / "bf16"
+    plain.mkdir()
+    for f in tiny.iterdir():
+        if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, plain / f.name)
+    cfg_path = plain / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["quantization_config"]
+    cfg_path.write_text(json.dumps(cfg))
+    cfg = v41.engine_config(plain, engram_config={"cpu_offload": False})
+    with v41.distributed(cfg, 0, 1, _port()):
+        model = v41.build(cfg)
+    assert isinstance(model, DeepseekV41ForCausalLM) and type(model).__name__ == "Exl3DeepseekV41ForCausalLM"
+    assert model.exl3 is False
+    layers = model.language_model.model.layers
+    assert isinstance(layers[1].engram.embed_tokens, ParallelEngramEmbedding)
+    methods = {type(m.quant_method).__module__ for m in model.modules() if getattr(m, "quant_method", None)}
+    assert not any(m.startswith("twinspark") for m in methods), methods
+    assert type(layers[2].attn)._o_proj is layers[2].attn._o_proj.__func__  # vLLM's own forward paths
