@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -356,3 +357,64 @@ def test_bench_exl3_moe_plot_only_redraws_the_png(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and why in err
     assert not any((tmp_path / n).exists() for n in ("other.png", "missing.png", "exl3_gemm.png"))
+
+
+def test_one_gb10_model_behind_benchkit_names():
+    """benchkit's GB10 names are twinspark.gb10's parameters (one model for benchmarks, notes and the forecast)."""
+    from twinspark import gb10
+
+    assert bk.GB10_BW == float(gb10.BW) and bk.GB10_BW_FRACTION == float(gb10.BW_EFFICIENCY)
+    assert (bk.GB10_SMS, bk.GB10_CLOCK) == (int(gb10.SMS.value), float(gb10.CLOCK))
+    assert bk.GB10_BF16_FLOPS == float(gb10.GB10_BF16_FLOPS) and bk.GB10_LAUNCH_US == float(gb10.LAUNCH_US)
+    assert bk.predict_gb10_us(1e6, 10.0, 4000.0) == gb10.predict_from_h200_us(1e6, 10.0, 4000.0)
+    for p in (gb10.BW, gb10.BW_EFFICIENCY, gb10.CLOCK, gb10.ALLREDUCE_US, gb10.UPSTREAM_EFFICIENCY):
+        assert p.source and p.unit
+
+
+def test_sm_count_override(monkeypatch):
+    """Plans sized for a green context's SMs: sms.limit() inside, TWINSPARK_SM_COUNT outside, the device's else."""
+    from twinspark.ops import sms
+
+    monkeypatch.setattr(sms, "device_sms", lambda index: 132)
+    monkeypatch.delenv(sms.ENV, raising=False)
+    assert sms.sm_count(0) == 132
+    monkeypatch.setenv(sms.ENV, "64")
+    assert sms.sm_count(0) == 64
+    with sms.limit(48):
+        assert sms.sm_count(0) == 48
+        with sms.limit(8):
+            assert sms.sm_count(0) == 8
+        assert sms.sm_count(0) == 48
+    assert sms.sm_count(0) == 64
+    monkeypatch.setenv(sms.ENV, "lots")
+    with pytest.raises(ValueError, match="TWINSPARK_SM_COUNT"):
+        sms.sm_count(0)
+    with pytest.raises(ValueError, match="number of SMs"):
+        with sms.limit(0):
+            pass
+    from twinspark.ops.exl3_gemm import plan
+
+    assert plan(1, 5120, 1152, 5, 48).splits < plan(1, 5120, 1152, 5, 132).splits  # what the override changes
+
+
+def test_bench_decode_step_plan_and_bytes():
+    """The step plan at the real dimensions (no GPU): the calls per class and the bytes the forecast's budget counts."""
+    import importlib.util
+
+    spec_file = bk.REPO_ROOT / "bench" / "bench_decode_step.py"
+    mod_spec = importlib.util.spec_from_file_location("bench_decode_step", spec_file)
+    ds = importlib.util.module_from_spec(mod_spec)
+    sys.modules["bench_decode_step"] = ds  # dataclasses look their module up there
+    mod_spec.loader.exec_module(ds)
+    from twinspark.v41_layout import V41Spec
+
+    spec = V41Spec.real()
+    ops = ds.plan_step(spec)
+    count = lambda cls: sum(o.cls == cls for o in ops)  # noqa: E731
+    assert (count("attention"), count("routed"), count("shared"), count("all-reduce")) == (200, 40, 120, 84)
+    assert (count("compressor"), count("indexer"), count("engram rows"), count("lm_head")) == (7, 12, 2, 1)
+    wo_a = next(o for o in ops if o.name == "wo_a")
+    assert (wo_a.k, wo_a.n, wo_a.groups, wo_a.K) == (4096, 1024, 4, 5)
+    assert sum(o.weight_bytes() for o in ops if o.cls == "attention") == pytest.approx(1.702e9, rel=1e-3)
+    moe = [o for o in ops if o.kind == "moe"]
+    assert sum(spec.experts * ds.expert_bytes(o) for o in moe) / 2**30 == pytest.approx(91.5, abs=0.1)

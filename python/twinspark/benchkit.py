@@ -74,6 +74,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from twinspark import gb10
 from twinspark.fileio import atomic_write, read_json
 from twinspark.paths import project_root
 
@@ -241,50 +242,25 @@ def rotate(
 
 
 # --------------------------------------------------------------------------------------------------- GB10 model
-GB10_BW = 273e9  # bytes/s, LPDDR5x peak (the issues' number)
-GB10_BW_FRACTION = 0.85  # assumed achievable fraction of peak for a streaming read (not measured here)
-GB10_SMS, GB10_CLOCK = 48, 2.4e9  # assumed SM clock under load (not measured here)
-GB10_SMEM_PER_SM = 100 * 1024  # shared memory per SM of compute capability 12.x (the CUDA guide; not read from a Spark)
-H200_SMS, H200_CLOCK = 132, 1.98e9  # measured clock under load (KINDS.md)
-GB10_LAUNCH_US = 4.0  # fixed cost per kernel (launch + prologue + tail), assumed ~2x the H200's
-H200_LAUNCH_US = 2.0
-# bf16 tensor throughput with fp32 accumulation, assumed (not measured here): mma.sync only on sm_121a; taken as
-# ~1/10 of the 1 PFLOP FP4-with-sparsity the product is sold with (FP4 -> FP8 -> BF16 halves, sparsity halves,
-# and some room for the fp32-accumulate rate). Replace with a Spark's cuBLAS number.
-GB10_BF16_FLOPS = 100e12
+# One model, twinspark.gb10 (its docstring: every constant with its source); these names stay for the benchmarks.
+GB10_BW = float(gb10.BW)
+GB10_BW_FRACTION = float(gb10.BW_EFFICIENCY)
+GB10_SMS, GB10_CLOCK = int(gb10.SMS.value), float(gb10.CLOCK)
+GB10_SMEM_PER_SM = int(gb10.SMEM_PER_SM.value)
+H200_SMS, H200_CLOCK = int(gb10.H200_SMS.value), float(gb10.H200_CLOCK)
+GB10_LAUNCH_US = float(gb10.LAUNCH_US)
+H200_LAUNCH_US = float(gb10.H200_LAUNCH_US)
+GB10_BF16_FLOPS = float(gb10.GB10_BF16_FLOPS)
 
 
 def predict_gb10_us(nbytes: float, h200_us: float, h200_copy_gbps: float, launches: int = 1) -> dict:
-    """Predict the GB10 time of one call (``launches`` kernels) from the bytes it moves and its H200 time.
-
-    naive:   bytes / (273 GB/s x the fraction of the copy ceiling the call reached on the H200)
-             (assumes it stays as far from bandwidth as on the H200: pessimistic when the H200 run was decode- or
-             latency-bound).
-    bounded: max(bandwidth floor = bytes / (273 GB/s x 0.85), decode work = the H200 time above its own bandwidth
-             floor and launch costs, scaled by SM throughput 132 x 1.98 GHz -> 48 x 2.4 GHz) + launch costs.
-    Returns {"naive_us", "bounded_us", "bw_floor_us", "decode_us"}; the assumptions are GB10_* above (not
-    measured: replace them with a Spark's numbers)."""
-    eff = (nbytes / (h200_us * 1e-6)) / (h200_copy_gbps * 1e9)
-    naive = nbytes / (GB10_BW * eff) * 1e6
-    bw_floor = nbytes / (GB10_BW * GB10_BW_FRACTION) * 1e6
-    h200_work = max(0.0, h200_us - launches * H200_LAUNCH_US - nbytes / (h200_copy_gbps * 1e9) * 1e6)
-    decode = h200_work * (H200_SMS * H200_CLOCK) / (GB10_SMS * GB10_CLOCK)
-    return {"naive_us": naive, "bounded_us": max(bw_floor, decode) + launches * GB10_LAUNCH_US,
-            "bw_floor_us": bw_floor, "decode_us": decode}
+    """GB10 time of one call from its bytes and whole-H200 time: twinspark.gb10.predict_from_h200_us."""
+    return gb10.predict_from_h200_us(nbytes, h200_us, h200_copy_gbps, launches)
 
 
 def predict_gb10_large_us(k: int, n: int, m: int, trellis_bytes: float, x_bytes: float, out_bytes: float) -> dict:
-    """GB10 time of the exl3_gemm large path (what the table runs there above LARGE_M: no wgmma on sm_121a),
-    from its two passes' bytes and the matmul's FLOPs, not from an H200 time (on the H200 that path is
-    compute-bound, on GB10 the bf16 weight it writes and reads back dominates):
-      dequant_w: trellis read + W written (2 k n bytes) at 273 GB/s x GB10_BW_FRACTION;
-      matmul:    max(W + x read and out written at that bandwidth, 2 m k n / GB10_BF16_FLOPS);
-    plus two launches. Returns {"us", "dequant_us", "matmul_us"}."""
-    bw = GB10_BW * GB10_BW_FRACTION
-    w = 2.0 * k * n
-    dequant = (trellis_bytes + w) / bw * 1e6
-    matmul = max((w + x_bytes + out_bytes) / bw, 2.0 * m * k * n / GB10_BF16_FLOPS) * 1e6
-    return {"us": dequant + matmul + 2 * GB10_LAUNCH_US, "dequant_us": dequant, "matmul_us": matmul}
+    """GB10 time of the exl3_gemm large path: twinspark.gb10.large_gemm_us."""
+    return gb10.large_gemm_us(k, n, m, trellis_bytes, x_bytes, out_bytes)
 
 
 # --------------------------------------------------------------------------------------------------- ceilings

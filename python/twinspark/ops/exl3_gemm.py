@@ -30,6 +30,7 @@ import torch
 from twinspark import _ext
 from twinspark.exl3.layer import Exl3Layer
 from twinspark.exl3.reference import CODEBOOKS, WHOLE_RATES, rate_from_last_dim
+from twinspark.ops.sms import sm_count
 from twinspark.ops.workspace import capture_id, workspace
 from twinspark.reference.exl3_gemm import exl3_gemm as _reference
 
@@ -175,14 +176,12 @@ def _cached_plan(m, k, n, K, sms, fused) -> Plan:
 
 
 # ------------------------------------------------------------------------------------------------ device facts
-_SMS: dict[int, int] = {}
 _FUSED: dict[int, bool] = {}
 
 
 def _sms(device: torch.device) -> int:
-    if device.index not in _SMS:
-        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device.index]
+    """The SM count the plan is made for (twinspark.ops.sms: the device's, or a green context's limit)."""
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def fused_available(device: torch.device) -> bool:

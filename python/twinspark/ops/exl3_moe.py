@@ -21,6 +21,7 @@ import torch
 from twinspark import _ext
 from twinspark.exl3.reference import CODEBOOKS, HALF_RATES, WHOLE_RATES, words_per_tile
 from twinspark.moe_layout import Exl3MoeExperts, packed_strides
+from twinspark.ops.sms import sm_count
 from twinspark.ops.workspace import capture_id, workspace
 from twinspark.reference import exl3_moe as _reference
 
@@ -94,11 +95,6 @@ def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, 
                          f"over more ranks (expert parallelism)")
     if experts.codebook not in CODEBOOKS:
         raise ValueError(f"{op}: expected experts.codebook in {CODEBOOKS}, got {experts.codebook!r}")
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache
@@ -265,7 +261,7 @@ def _config(T: int, top_k: int, E: int, hidden: int, inter: int, index: int, max
         gate_up4 = _four_wanted("TWINSPARK_EXL3_MOE_GATE_UP4", index, False, words13, sized, GATE_UP4_MIN_A_KB)
         down4 = _four_wanted("TWINSPARK_EXL3_MOE_DOWN4", index, True, words2, sized, DOWN4_MIN_A_KB)
     gate_up_blocks = GATE_UP4_BLOCKS_PER_SM if gate_up4 else GATE_UP_BLOCKS_PER_SM
-    return plan_launch(T, top_k, E, hidden, inter, _sm_count(index), gate_up_blocks, down4), words13, words2
+    return plan_launch(T, top_k, E, hidden, inter, sm_count(index), gate_up_blocks, down4), words13, words2
 
 
 def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, first_expert, max_words,
