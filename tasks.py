@@ -188,15 +188,33 @@ def budget(c, model_dir, tp=2, kv_bytes="2.5GiB", kv_token_bytes=None, kv_dtype=
             kv_dtype=kv_dtype, with_forecast=forecast)
 
 
-@task(name="forecast", help={**_BUDGET_HELP, "overhead_ms": "fixed cost per decoded token in ms (all-reduces, launches)",
-                             "gb10_gbps": "GB10 memory bandwidth in GB/s (273)",
-                             "decode_results": "bench/results JSON with m=1 GEMM records (default: the H200 anchors)",
-                             "moe_results": "bench/results JSON with a T=512 MoE record (default: the H200 anchors)"})
-def forecast_(c, model_dir, tp=2, overhead_ms=0.0, gb10_gbps=273.0, decode_results=None, moe_results=None):
-    """GB10 decode and prefill tok/s predicted from bytes per token and H200 kernel rates, next to the published
-    two-Spark numbers."""
-    _client("forecast", model_dir=model_dir, tp=tp, overhead_ms=overhead_ms, gb10_gbps=gb10_gbps,
-            decode_results=decode_results, moe_results=moe_results)
+@task(name="forecast", help={
+    **_BUDGET_HELP,
+    "draft_tokens": "DSpark draft tokens per step (3; 0: no speculation)",
+    "acceptance_length": "mean tokens per step, accepted drafts + 1 (default 2.28: seed A's 31.6 tok/s x its 72 ms "
+                         "k=3 step; vLLM logs it as the mean acceptance length)",
+    "context": "tokens in context while decoding (1024): the KV reads",
+    "prefill_context": "prompt length for the prefill forecast (8192)", "chunk": "prefill chunk in tokens (1024)",
+    "gb10_gbps": "GB10 memory bandwidth in GB/s (273)",
+    "bw_efficiency": "fraction of it twinspark's kernels stream at (0.85, assumed)",
+    "allreduce_us": "one all-reduce over RoCE through host memory, µs (30, assumed)",
+    "attention_us": "vLLM's attention core per layer per step, µs (default: calibrated on seed A's 23 tok/s)",
+    "engram_us": "Engram lookup time not hidden by vLLM's prefetch stream, µs per step (0)",
+    "overhead_ms": "any other cost per step, ms (0)",
+    "step_results": "decode_step.json of the 48-SM proxy (default: bench/results/decode_step.json)",
+    "moe_results": "exl3_moe.json with a T >= 512 record for prefill (default: bench/results/exl3_moe.json)",
+    "kv_token_bytes": "as for budget: the KV pool's bytes per token (default: from config.json)",
+    "kv_dtype": "as for budget: KV cache dtype, fp8_ds_mla, fp8 or auto"})
+def forecast_(c, model_dir, tp=None, draft_tokens=None, acceptance_length=None, context=None, prefill_context=None,
+              chunk=None, gb10_gbps=None, bw_efficiency=None, allreduce_us=None, attention_us=None, engram_us=None,
+              overhead_ms=None, step_results=None, moe_results=None, kv_token_bytes=None, kv_dtype="fp8_ds_mla"):
+    """GB10 decode tok/s (DSpark draft tokens at a mean acceptance length) and prefill tok/s of one stream on two
+    Sparks, every term printed, from safetensors headers and twinspark.gb10; then the calibration table (the same
+    model on every published two-Spark configuration: prediction, figure, residual)."""
+    _client("forecast", model_dir=model_dir, tp=tp, draft_tokens=draft_tokens, acceptance_length=acceptance_length,
+            context=context, prefill_context=prefill_context, chunk=chunk, gb10_gbps=gb10_gbps, bw_efficiency=bw_efficiency,
+            allreduce_us=allreduce_us, attention_us=attention_us, engram_us=engram_us, overhead_ms=overhead_ms,
+            step_results=step_results, moe_results=moe_results, kv_token_bytes=kv_token_bytes, kv_dtype=kv_dtype)
 
 
 @task(name="pi-install", help={"url": "server root, e.g. http://192.168.100.10:8888",

@@ -60,11 +60,11 @@ def _folder(scratch, config: bytes | None = None, shard: bytes = SHARD):
     return d
 
 
-def _sensible(b: budget.Budget, f: forecast.Forecast | None, valid: budget.Budget) -> str | None:
+def _sensible(b: budget.Budget, f: forecast.Result | None, valid: budget.Budget) -> str | None:
     numbers = {"kv_token_bytes": b.kv_token_bytes, "kv_tokens": b.kv_tokens, "weights": b.weights_per_rank,
                **{f"per_rank[{k}]": v for k, v in b.per_rank.items()}}
     if f is not None:
-        numbers |= {"decode tok/s": f.decode_tok_s, "bandwidth tok/s": f.bandwidth_tok_s, "work tok/s": f.work_tok_s}
+        numbers |= {"decode tok/s": f.decode_tok_s, "prefill tok/s": f.prefill_tok_s}
     bad = [k for k, v in numbers.items() if not (math.isfinite(v) and v >= 0)]
     if bad:
         return f"{bad[0]} = {numbers[bad[0]]}"
@@ -188,7 +188,7 @@ def test_paths_that_are_not_files(ckpt, scratch, kind, what):
 
     def run():
         with redirect_stdout(io.StringIO()):
-            return cli.forecast(d, decode_results=results)
+            return cli.forecast(d, step_results=results)
 
     outcome(READER, run, cli.Failed, lambda r: None if what in ("config.json", "results") and kind == "missing"
             else f"forecast ran on a {kind} {what}")

@@ -193,18 +193,37 @@ def budget(model_dir, tp=2, kv_bytes="2.5GiB", kv_token_bytes=None, max_model_le
     return 0 if b.context_fits and (b.mem_after_boot is None or b.mem_after_boot >= 0) else 1
 
 
-def forecast(model_dir, tp=2, overhead_ms=0.0, gb10_gbps=273.0, decode_results=None, moe_results=None) -> int:
+def forecast(model_dir, tp=None, overhead_ms=None, gb10_gbps=None, step_results=None, moe_results=None,
+             draft_tokens=None, acceptance_length=None, context=None, prefill_context=None, chunk=None,
+             bw_efficiency=None, allreduce_us=None, attention_us=None, engram_us=None, kv_token_bytes=None,
+             kv_dtype="fp8_ds_mla") -> int:
+    """Flags arrive as text (or None: the forecast's default), so a bad value ends in one sentence."""
     from twinspark import benchkit as bk
     from twinspark.client import forecast as fc
 
-    b = _budget(model_dir, tp, "2.5GiB", None, 600_000, None, 0, "fp8_ds_mla")
+    b = _budget(model_dir, 2 if tp is None else tp, "2.5GiB", kv_token_bytes, 600_000, None, 0, kv_dtype)
+    given = lambda v: v is not None and v != ""  # noqa: E731
+    kw = {"step_results": Path(step_results) if step_results else None,
+          "moe_results": Path(moe_results) if moe_results else None}
+    for key, flag, v, least in (("k", "--draft-tokens", draft_tokens, 0), ("context", "--context", context, 1),
+                                ("prefill_context", "--prefill-context", prefill_context, 1),
+                                ("chunk", "--chunk", chunk, 1)):
+        if given(v):
+            kw[key] = _int(v, flag, least)
+    for key, flag, v in (("acceptance_length", "--acceptance-length", acceptance_length),
+                         ("gb10_gbps", "--gb10-gbps", gb10_gbps), ("bw_efficiency", "--bw-efficiency", bw_efficiency),
+                         ("allreduce_us", "--allreduce-us", allreduce_us), ("attention_us", "--attention-us",
+                                                                            attention_us),
+                         ("engram_us", "--engram-us", engram_us), ("overhead_ms", "--overhead-ms", overhead_ms)):
+        if given(v):
+            kw[key] = _number(v, flag)
+    if kw.get("k") == 0 and "acceptance_length" not in kw:
+        kw["acceptance_length"] = 1.0
     try:
-        f = fc.forecast(b, overhead_ms=_number(overhead_ms, "--overhead-ms"), gb10_gbps=_number(gb10_gbps, "--gb10-gbps"),
-                        decode_results=Path(decode_results) if decode_results else None,
-                        moe_results=Path(moe_results) if moe_results else None)
+        r = fc.forecast(b, **kw)
     except (bk.BenchError, SafetensorsError) as e:
         raise Failed(str(e)) from None
-    print(fc.report(f, b))
+    print(fc.report(r, b))
     return 0
 
 
