@@ -8,7 +8,7 @@
 A .cu file is compiled here with the build's flags for one arch (nvcc -cubin; ~35 s for a MoE codebook file), so a
 change can be weighed before any device time is spent. A loop is the span from a backward branch's target to the
 branch; printed are the innermost ones holding the anchor opcode (default IMMA|HMMA: the tile loops), with their
-instruction count, the count per pipe class and the most frequent opcodes (cuda/exl3_moe/NOTES.md v19 reads the
+instruction count, the count per pipe class and the most frequent opcodes (cuda/exl3_moe/DESIGN.md "What bounds T = 4" reads the
 MoE byte-sum loop this way: which cuts of it moved the H200's time and which did not). Pipe classes are the usual
 sm_80/sm_90 assignment (IMAD/IMUL/IDP on the FMA pipe; LOP3/PRMT/SHF/IADD3 on the ALU; ...), approximate: ptxas can
 issue some opcodes (MOV, FFMA) on more than one.

@@ -652,7 +652,7 @@ def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
     scheduled while the kernel before it drains and must wait for it. Chains of calls that each take the previous
     call's output (no sync in between; the kernel before gate/up is the previous call's down, or a scale kernel) give
     what plain launches give: every call is checked against the reference on the input it was given. Inputs stay of
-    order one (shrinking ones cost the fp16 intermediates their precision, cuda/exl3_moe/NOTES.md v19 item 8; growing
+    order one (shrinking ones cost the fp16 intermediates their precision, cuda/exl3_moe/DESIGN.md "Numerics"; growing
     ones would overflow them): a calibration chain with a sync per call finds per-call routing weights that give each
     output RMS 1 (the layer is linear in them), and both timed chains use those."""
     E, H, inter = 16, 512, 256
@@ -689,9 +689,9 @@ def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
 def test_kernel_decode_residency(gen, cuda, monkeypatch):
     """The decode kernels get the residency they are sized for, before and after calls: gate/up 4 blocks per SM (mul1,
     one rate: 64 registers; 3, 80 registers, with TWINSPARK_EXL3_MOE_GATE_UP4=0), down at one token 2 (its shared
-    memory padded so a third does not fit; NOTES.md v17: a first launch whose occupancy query ran before the
-    shared-memory attribute was raised saw no block, left the padding out, and the remembered size kept the down
-    kernel at 3 per SM, T=1 +10%). The model's dimensions, a few experts."""
+    memory padded so a third does not fit; cuda/exl3_moe/DESIGN.md "Launch plan": a first launch whose occupancy
+    query ran before the shared-memory attribute was raised saw no block, left the padding out, and the remembered
+    size kept the down kernel at 3 per SM, T=1 +10%). The model's dimensions, a few experts."""
     E = 8
     ex = ml.empty([(3, 3, 3)] * E, 5120, 1152, device=cuda)
     ex.trellis.random_(-32768, 32768, generator=None)

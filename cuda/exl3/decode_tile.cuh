@@ -73,7 +73,7 @@ struct LaneWindow {
 // and pays only where it serves two or three states (K = 2: 4 views serve all 8). A state no view serves takes a
 // shift and a mask (or a funnel shift and a shift), both on the integer pipe.
 // Ops per 8 states: 11 at K=2 (15 with a two-op cut per state), 11 at K=4 (14), 10 at K=8 (12); 15 at odd K and
-// K=6, where no two states are 8 or 16 bits apart. cuda/exl3_moe/NOTES.md v9: putting the single-state views on
+// K=6, where no two states are 8 or 16 bits apart. cuda/exl3_moe/DESIGN.md, rejected ideas: the single-state views on
 // the FMA pipe (IMAD.SHL) instead was slower, since IMAD and IDP4A already half-fill that pipe.
 struct CutPlan {
   int view[8];  // window bit where state i's view starts
@@ -130,7 +130,7 @@ __device__ __forceinline__ uint32_t window_view(uint32_t a0, uint32_t a1, uint32
     return w;
   } else if constexpr (r + SPAN <= 32) {
     // = w << r; as a funnel shift it stays on the integer ALU pipe (ptxas makes w << r an IMAD.SHL on the FMA pipe,
-    // which IMAD and IDP4A already fill more: 1-2% slower at K=2, cuda/exl3_moe/NOTES.md v9)
+    // which IMAD and IDP4A already fill more: 1-2% slower at K=2, cuda/exl3_moe/DESIGN.md, rejected ideas)
     return __funnelshift_l(0u, w, r);
   } else {
     return __funnelshift_l(q == 0 ? a1 : a2, w, r);
@@ -223,7 +223,7 @@ __device__ __forceinline__ void decode_lane_words(uint32_t w0, uint32_t w1, uint
 // of the B registers (store_x4_dup below). The mma adds the halves exactly instead of rounding their sum to fp16:
 // within one fp16 rounding of decode_state<CB> (the GEMM tolerance), not bit-exact (reconstruct keeps
 // decode_lane). mul1 has no raw form worth having: its byte sum needs the dp4a either way, and dropping the
-// fp16 FMA measured no gain (cuda/exl3_gemm/NOTES.md v6).
+// fp16 FMA measured no gain (cuda/exl3_gemm/DESIGN.md, rejected ideas).
 template <int CB>
 __device__ __forceinline__ uint32_t decode_raw(uint32_t s) {
   static_assert(CB != kCbMul1, "raw decode is for 3inst and mcg");
@@ -332,7 +332,8 @@ __device__ __forceinline__ uint32_t lane_state_views_fma(uint32_t a0, uint32_t a
 // has its own view; with the views on the FMA pipe the ALU and FMA pipes balance: SASS of the 8-tile loop per tile,
 // sm_90a, K=3 32.3 issue slots with 17.6 ALU ops -> 32.0 with 12.2). Even K: the shared views of lane_state, made on
 // the FMA pipe where they sit inside one word (lane_state_views_fma; K=2 ALU 12.6 -> 10.1, FMA 9.9 -> 12.4 per tile,
-// -0.7..1.3% per layer on the H200, cuda/exl3_moe/NOTES.md v14; K=4's views cross words and stay funnel shifts).
+// -0.7..1.3% per layer on the H200, cuda/exl3_moe/DESIGN.md "The state cut"; K=4's views cross words and stay
+// funnel shifts).
 template <int K, int I>
 __device__ __forceinline__ uint32_t mul1_state(uint32_t a0, uint32_t a1, uint32_t a2, const OpaqueConsts& oc) {
   if constexpr (K % 2 == 1) {

@@ -25,8 +25,8 @@
 // after it (each wrote its piece, the first of its run, to its slot of a.part and raised its flag with a release)
 // and stores fp16 y'. A block's only non-head piece is its first, so one slot per block, and a head waits only on
 // later blocks, which write their piece before they wait on anything: no cycle whatever the residency. Output:
-// y' (before the output Hadamard); exl3_gemm_epilogue finishes it. Measured history and limits: NOTES.md v5, v9
-// and v10.
+// y' (before the output Hadamard); exl3_gemm_epilogue finishes it. Measured limits and the variants tried: DESIGN.md
+// (prefill on sm_90, rejected ideas).
 #pragma once
 #include <cuda_fp16.h>
 #include <stdint.h>

@@ -6,7 +6,7 @@
 // 3inst and mcg at m <= 8 (one token group) decode "raw" (decode_lane_raw): each weight's register keeps the
 // codebook's two fp16 halves un-added and x' is stored with every value duplicated in both halves, so the tile
 // takes two mmas (k' = 2k + half) instead of 2 PRMT + 1 HADD2 per pair of weights (12 fewer instructions per
-// tile, one more mma; the tensor pipe is idle at m <= 8): -10..12% on the H200 (NOTES.md v6). mul1 keeps the
+// tile, one more mma; the tensor pipe is idle at m <= 8): -10..12% on the H200 (DESIGN.md, small m). mul1 keeps the
 // packed decode (its raw form measured no gain).
 //
 // Grid (n/128 strips, splits). Block = 8 warps = the 8 n-tiles of one 128-column strip; it walks its share of
@@ -122,7 +122,7 @@ __device__ __forceinline__ void suh4(const Exl3GemmSmallArgs& a, int mat, int cc
 
 // x'[t, 0:128] of chunk c for tokens t < 8*groups (rows >= m are zero), fp16 into xs (row stride kXRow): warp w
 // makes rows w, w + 8, ... (Tried: issuing chunk c+1's loads before chunk c's decode; measured slower on the H200
-// at every m, with 125 registers at 8 groups: NOTES.md v2.)
+// at every m, with 125 registers at 8 groups: DESIGN.md, rejected ideas.)
 template <int G>
 __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int mat, long x_off, int c, half* xs,
                                              int warp, int lane) {
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(con
   // C fragment: rows (n) lane/4 and lane/4 + 8 of this warp's n-tile; columns (tokens) 2*(lane%4) + {0, 1}.
   // Scalar fp32 atomics into token-major ws [64][n]: a warp's adds hit 8 consecutive columns of 4 rows, i.e. few
   // L2 sectors per instruction. (Tried: 16-byte red.add.v4 into a token-minor layout: 2x slower at m=64 on the
-  // H200 because each lane then hits its own sector: NOTES.md v2.)
+  // H200 because each lane then hits its own sector: DESIGN.md, rejected ideas.)
   const int col = strip * 128 + warp * 16 + (lane >> 2);
   float* const ws = a.ws + static_cast<long>(mat) * 64 * a.n;  // this matrix's [64, n] slice
   const int counter = mat * (a.n >> 7) + strip;  // in counters [mats, n / 128]
@@ -361,9 +361,9 @@ cudaError_t launch_small(const P& p, cudaStream_t stream) {
 //      (16-byte loads), applies H8 over the n-tile index c, multiplies by svh and writes the values back in place;
 //      the 128 rows leave by the copy engine, one cp.async.bulk of 256 bytes per row.
 // ~15 SASS instructions per weight (the decode ~5, the butterflies 3, mma operand packing, the exchange), against
-// ~24 for the same fold with warp-shuffle Hadamards (NOTES.md v7). Rounding: fp16 butterflies and fp16 operands
-// of the second product, ~6.5e-4 relative L2 of W in fp16 (an fp16 rounding alone is ~2e-4); bf16 output adds
-// its own rounding (~1.8e-3 in all).
+// ~24 for the same fold with warp-shuffle Hadamards (DESIGN.md, rejected ideas). Rounding: fp16 butterflies and fp16
+// operands of the second product, ~6.5e-4 relative L2 of W in fp16 (an fp16 rounding alone is ~2e-4); bf16 output
+// adds its own rounding (~1.8e-3 in all).
 constexpr int kDwRow = 136;  // halves per staged row: 68 words, so both the fragment scatter and the row loads
                              // of one quarter-warp (rows r..r+7) are free of bank conflicts
 
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(256, 4)
   __shared__ __align__(16) uint4 afrag[8][32];  // per k-tile a: this lane's A registers of diag(suh / 128) · H16
   __shared__ __align__(16) half stage[128 * kDwRow];
   __shared__ __align__(16) half svs[128];  // this block's svh, for the stores (a global load right before the
-                                           // scaling stalled on its latency: ncu, NOTES.md v8)
+                                           // scaling stalled on its latency: ncu, DESIGN.md large m)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int kb = blockIdx.x, nb = blockIdx.y;
   const exl3::LaneWindow<K> lw(lane);
@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(256, 4)
     *reinterpret_cast<uint4*>(stage + r * kDwRow + 16 * c + 8 * hh) = make_uint4(q[0], q[1], q[2], q[3]);
   }
   // The block's 128 rows of 256 bytes leave by the copy engine (one cp.async.bulk per row): 16-byte stores from the
-  // threads touched 16 lines per warp instruction, 87% of the kernel's L1 tag lookups (ncu, NOTES.md v8).
+  // threads touched 16 lines per warp instruction, 87% of the kernel's L1 tag lookups (ncu, DESIGN.md large m).
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes above, visible to the copy engine
   __syncthreads();
   if (threadIdx.x < 128) {

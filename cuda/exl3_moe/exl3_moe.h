@@ -101,7 +101,7 @@ cudaError_t exl3_moe(const Exl3MoeArgs& args, cudaStream_t stream);
 
 // The A region (bytes) a 16-row kernel (down or gate/up) of max_words per tile launches with where `blocks` of it
 // per SM must fit in per_sm bytes of shared memory, beside static_bytes of static and `reserved` per block
-// (moe_gemm.cuh fit_a_bytes); -1 for arguments out of range. Host only (tests, the GB10 sizing in NOTES.md v18).
+// (moe_gemm.cuh fit_a_bytes); -1 for arguments out of range. Host only (tests, the GB10 sizing in DESIGN.md).
 int exl3_moe_a_bytes(bool down, int max_words, int static_bytes, int reserved, int per_sm, int blocks);
 
 // The mul1 16-row decode kernel (gate/up, or down) of rate `words` sized for 4 blocks per SM (64 registers) on the

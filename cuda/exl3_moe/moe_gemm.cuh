@@ -111,9 +111,9 @@ constexpr int kStages = 3;  // 16-row items: trellis buffers (3 * 16 KB at K = 8
 // `blocks` blocks per SM (the residency its registers were sized for) fit with it in `per_sm` bytes of shared memory
 // per SM; else as many whole k-blocks as leave room for them (at least kAMinKb): a piece then builds its A in more
 // chunks (one more memory round trip and barrier each), but keeps its SM's other blocks. The H200 (228 KB per SM) runs
-// the full region up to K = 5 (from K = 6 on the smaller one is 0-15% faster there, NOTES.md v18); GB10 (compute
+// the full region up to K = 5 (from K = 6 on the smaller one is 0-15% faster there, DESIGN.md); GB10 (compute
 // capability 12.x: 100 KB per SM) would run the full gate/up region at 1 block per SM from K = 3 on
-// (cuda/exl3_moe/NOTES.md v18).
+// (cuda/exl3_moe/DESIGN.md "Shared memory on small-memory devices").
 inline int fit_a_bytes(int full, size_t ring, size_t static_bytes, size_t reserved, size_t per_sm, int blocks) {
   const long room = static_cast<long>(per_sm / blocks) - static_cast<long>(reserved + static_bytes + ring);
   if (room >= full) return full;
@@ -320,9 +320,10 @@ __device__ __forceinline__ void copy_act_chunk(const GemmParams& p, const RowTab
 // (cold, they would cost that epilogue an HBM round trip, ~1 us at one token). Gate/up (finish_act: whichever block
 // of the group arrives last builds the activations): svh of gate and up and suh of down for the 128 columns of I
 // `slice`, 3 x 256 B prefetched into L2 (copied to shared memory instead, the K=3 loop's code grew 3% and the layer
-// 2%: NOTES.md v20). Down: svh of down for its 128 output columns, 256 B to shared memory (cp.async, in the first group
-// of the trellis ring; down_out reads them there). Only the one-rate kernels (decode) do either: with every 16-row
-// kernel staging its scales in shared memory, those that dispatch on every rate spilled (T=32 +1-2%).
+// 2%: DESIGN.md, rejected ideas). Down: svh of down for its 128 output columns, 256 B to shared memory (cp.async, in
+// the first group of the trellis ring; down_out reads them there). Only the one-rate kernels (decode) do either:
+// with every 16-row kernel staging its scales in shared memory, those that dispatch on every rate spilled (T=32
+// +1-2%).
 __device__ __forceinline__ void prefetch_act_scales(const GemmParams& p, int e, int slice) {
   const int t = threadIdx.x, c = slice * 128 + (t & 1) * 64;  // 128-byte lines: two per 128 fp16
   if (t >= 6) return;
@@ -874,7 +875,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
 // for one round trip, not two in a row). WORDS != 0: a kernel for layers whose matrices of this half all have that
 // rate (the host knows: Exl3MoeArgs::words13 / words2) holds that body alone: ~1/11 of the code (at T=1 the
 // once-per-warp code runs cold on every SM) and 71-88 registers instead of 101 (down) with no spills. H200, same
-// build, with cap_blocks_per_sm (NOTES.md v15): T=1 -2.3 / -1.7 / -4.5%, T=2 -4.3 / -0.7 / -4.2% at K=2/3/4.
+// build, with cap_blocks_per_sm (DESIGN.md "The 16-row decode body"): T=1 -2.3 / -1.7 / -4.5%, T=2 -4.3 / -0.7 /
+// -4.2% at K=2/3/4.
 template <int CB, int MT, bool DOWN, int WORDS>
 __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
                                               int mat, int slice, int part, int kb0, int kb1, int words,
@@ -1081,7 +1083,7 @@ cudaError_t cap_blocks_per_sm(Kernel kernel, int minb, size_t& smem) {
 // launch, twice per decode layer. Devices past the memo's 64 prepare every launch.
 // The attribute goes first: the occupancy query counts no block whose dynamic shared memory is above it (asked
 // before, the first call's query found 0 blocks, left the size unpadded, and the memo kept the 2-per-SM down
-// kernel at 3 per SM: T=1 +10%, cuda/exl3_moe/NOTES.md v17).
+// kernel at 3 per SM: T=1 +10%, cuda/exl3_moe/DESIGN.md "Launch plan").
 template <class Kernel>
 cudaError_t prepare_smem(std::atomic<uint64_t> (&memo)[64], Kernel kernel, int minb, bool cap, int a_full, size_t ring,
                          int emu_per_sm, bool fit, size_t& smem, int& a_bytes) {
@@ -1109,7 +1111,7 @@ cudaError_t prepare_smem(std::atomic<uint64_t> (&memo)[64], Kernel kernel, int m
   a_bytes = a_full > 0 && fit ? fit_a_bytes(a_full, ring, attr.sharedSizeBytes, reserved, sized_for, minb) : a_full;
   smem = static_cast<size_t>(a_bytes) + ring;
   // Set whatever the size: without it a kernel takes 48 KB less its static shared memory (a first launch at 48.9 KB
-  // failed with "invalid argument" once the GB10 sizing made the down kernel's size that: NOTES.md v18).
+  // failed with "invalid argument" once the GB10 sizing made the down kernel's size that: DESIGN.md "Launch plan").
   const auto raise = [&](size_t bytes) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   };
@@ -1159,8 +1161,8 @@ cudaError_t launch_one(const GemmParams& params, int max_items, int max_words, c
 // 16-row items: the kernels (gate/up at 3 blocks per SM, or 4 for mul1's one-rate kernels; down at 2 or 3, or 4 for
 // mul1's one-rate kernels) for rate WORDS (0: every rate). The 4-per-SM gate/up (64 registers: no spills on sm_90a up
 // to K=7, 8 B at K=8, none on sm_121a; its K=3 loop 302 instructions per k-block against 298) won everywhere in decode
-// on the H200 (cuda/exl3_moe/NOTES.md v21 item 5); the 4-per-SM down (no spills at any rate on sm_90a, loops within 2
-// instructions of the 3-per-SM kernel's) from two tokens on (v22). The other codebooks and the dispatching kernels keep
+// on the H200 (DESIGN.md "Launch plan"); the 4-per-SM down (no spills at any rate on sm_90a, loops within 2
+// instructions of the 3-per-SM kernel's) from two tokens on. The other codebooks and the dispatching kernels keep
 // 3 (not measured at 4; fewer instantiations); a down_min_blocks of 4 for them runs the 3-per-SM kernel.
 template <int CB, int WORDS>
 cudaError_t launch_decode(const GemmParams& p, bool down, int max_items, int max_words, cudaStream_t stream) {

@@ -27,8 +27,8 @@ Host-side fields (plain Python, so nothing on the op's path reads the device): `
 ``words`` entry, sizes the kernels' shared memory) and ``words13`` / ``words2``: the one ``words`` value of every
 gate and up matrix / of every down matrix, or 0 where rates differ. ``empty`` (and so ``from_layers``) sets them
 from the plan; a nonzero value lets the decode kernels be the ones compiled for that rate alone (a fraction of
-the code and of the registers; cuda/exl3_moe/NOTES.md v15). Construction checks them against ``words`` (one read
-of it) and, where both are set, ``offsets`` against the packed layout of ``plan`` (``packed_strides``: those kernels
+the code and of the registers; cuda/exl3_moe/DESIGN.md "The 16-row decode body"). Construction checks them against
+``words`` (one read of it) and, where both are set, ``offsets`` against the packed layout of ``plan`` (``packed_strides``: those kernels
 compute a matrix's place instead of loading it).
 
 Limits: H and I multiples of 128 (the Hadamard blocks; checkpoints pad to 128), no bias on experts.
