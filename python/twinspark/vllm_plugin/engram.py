@@ -93,7 +93,6 @@ class StoreEngramEmbedding(torch.nn.Module):
     """Stands in for vLLM's ParallelEngramEmbedding (same attributes Engram reads; no parameters): this rank's
     whole hash heads, rows read from files by an EngramStore."""
 
-    cpu_offload = False  # no prefetch stream: vLLM's Engram calls lookup inline (capturable here)
     dp_size = 1
     _packed = None
 
@@ -103,6 +102,10 @@ class StoreEngramEmbedding(torch.nn.Module):
 
         super().__init__()
         self.num_embeddings, self.dim, self.block_size, self.layer = num_embeddings, dim, 32, layer
+        # On a GPU, vLLM's Engram then runs the lookup on its prefetch stream (the path it takes for its own
+        # host-memory tables) and waits for it only at this layer: the reads overlap the layers before. On a CPU
+        # it looks up inline.
+        self.cpu_offload = torch.cuda.is_available()
         self.n_hash_cols = len(head_sizes)
         self.tp_size, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         if self.n_hash_cols % self.tp_size:
@@ -117,7 +120,8 @@ class StoreEngramEmbedding(torch.nn.Module):
                               "published 256-value rows (engram.md)")
         self.store, self.source = open_store(layer, (self.vocab_start_idx, self.vocab_end_idx),
                                              sum(head_sizes), rank, self.tp_size, settings)
-        self.max_rows, self._staging = max_tokens * self.part_n_hash_cols, None
+        self.max_rows = max_tokens * self.part_n_hash_cols
+        self._staging: dict[int, object] = {}  # one pinned staging buffer per CUDA stream
         _log.info("twinspark Engram layer %d rank %d: rows [%d, %d) from %s (%s, %d threads x queue depth %d); "
                   "host memory %.1f MiB (cache + I/O buffers) + %.1f MiB pinned staging", layer, rank,
                   self.vocab_start_idx, self.vocab_end_idx, self.source, self.store.io_path, self.store.threads,
@@ -140,9 +144,10 @@ class StoreEngramEmbedding(torch.nn.Module):
         if not ids.numel():
             return
         if ids.is_cuda:
-            if self._staging is None:
-                self._staging = self.store.staging(self.max_rows)
-            self._staging.fetch(ids.contiguous(), out=flat)
+            stream = torch.cuda.current_stream(ids.device).cuda_stream
+            if stream not in self._staging:
+                self._staging[stream] = self.store.staging(self.max_rows)
+            self._staging[stream].fetch(ids.contiguous(), out=flat)
         else:
             from twinspark.ops import engram_dequant
 
