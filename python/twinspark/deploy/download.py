@@ -17,16 +17,32 @@ import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from twinspark.deploy import hubget
 from twinspark.deploy.errors import DeployError
 from twinspark.deploy.hosts import say
+from twinspark.deploy.progress import Transfer
 
 MANIFEST = "SHA256SUMS"
 PART = re.compile(r"^(?P<name>.+)\.part(?P<idx>\d{2,})$")
 RESUME_MIN = 16 << 20  # files this large resume mid-file (hubget); smaller ones are fetched again whole
 WORKERS = 4
+
+
+@contextmanager
+def quiet_hub_bars():
+    """huggingface_hub's own tqdm bars off while our bar (all files, one total) shows the download."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was:
+            enable_progress_bars()
 
 
 def _snapshot(repo: str, dest: Path, allow: list[str] | None = None) -> None:
@@ -38,13 +54,17 @@ def _snapshot(repo: str, dest: Path, allow: list[str] | None = None) -> None:
     ignore = [f"{p.name}.part*" for p in dest.iterdir() if p.is_file() and not p.name.startswith(".")] \
         if dest.is_dir() else []
     try:
-        big = [n for n, _ in hubget.large_files(repo, endpoint, allow, RESUME_MIN, ignore)]
-        with ThreadPoolExecutor(WORKERS) as pool:
-            for name, (got, had) in zip(big, pool.map(lambda n: hubget.fetch(repo, n, dest, endpoint), big)):
-                if had:
-                    say(f"download: {name} resumed at byte {had} ({got} bytes fetched now)")
-        snapshot_download(repo_id=repo, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore or None,
-                          endpoint=endpoint, max_workers=WORKERS)
+        sizes = hubget.repo_files(repo, endpoint, allow, ignore)
+        big = sorted(n for n, size in sizes.items() if size >= RESUME_MIN)
+        with quiet_hub_bars(), Transfer(f"download {repo}", sum(sizes.values())) as bar:
+            bar.watch(lambda: hubget.local_bytes(dest, sizes), every=1.0)
+            with ThreadPoolExecutor(WORKERS) as pool:
+                for name, (got, had) in zip(big, pool.map(lambda n: hubget.fetch(repo, n, dest, endpoint), big)):
+                    if had:
+                        say(f"download: {name} resumed at byte {had} ({got} bytes fetched now)")
+            snapshot_download(repo_id=repo, local_dir=dest, allow_patterns=allow, ignore_patterns=ignore or None,
+                              endpoint=endpoint, max_workers=WORKERS)
+            bar.update(hubget.local_bytes(dest, sizes))
     except DeployError:
         raise
     except HfHubHTTPError as e:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,6 +143,20 @@ class Host:
             return None
         word = r.stdout.strip().splitlines()[-1:] if r.returncode == 0 else []
         return {"up": True, "down": False}.get(word[0]) if word else None
+
+    def reachable(self, timeout: float = 2.0) -> str | None:
+        """None when the host's sshd greets ("SSH-...") within `timeout`: the link and the host are up. Else why not
+        (No route to host, timed out, Connection refused). The greeting matters: with the link down, a route via
+        another network may reach something that takes the connection but is not the worker."""
+        end = time.monotonic() + timeout
+        try:
+            with socket.create_connection((self.ip, self.port), timeout=timeout) as sock:
+                sock.settimeout(max(0.1, end - time.monotonic()))
+                if sock.recv(4) == b"SSH-":
+                    return None
+                return "no SSH greeting"
+        except OSError as e:
+            return e.strerror or str(e) or type(e).__name__
 
     def kill_group(self, pid: int, grace_s: int = 15) -> None:
         """SIGTERM the session started by spawn, SIGKILL what is left after grace_s (bounded loop)."""

@@ -25,14 +25,38 @@ from twinspark.deploy.errors import DeployError
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def large_files(repo: str, endpoint: str | None, allow: list[str] | None, min_size: int,
-                ignore: list[str] | None = None) -> list[tuple[str, int]]:
+def repo_files(repo: str, endpoint: str | None, allow: list[str] | None,
+               ignore: list[str] | None = None) -> dict[str, int]:
+    """{path: size} of the repo's files that the patterns select."""
     from huggingface_hub import HfApi
     from huggingface_hub.utils import filter_repo_objects
 
     files = [f for f in HfApi(endpoint=endpoint).list_repo_tree(repo, recursive=True) if getattr(f, "size", None)]
     keep = set(filter_repo_objects([f.path for f in files], allow_patterns=allow, ignore_patterns=ignore or None))
-    return sorted((f.path, f.size) for f in files if f.path in keep and f.size >= min_size)
+    return {f.path: f.size for f in files if f.path in keep}
+
+
+def large_files(repo: str, endpoint: str | None, allow: list[str] | None, min_size: int,
+                ignore: list[str] | None = None) -> list[tuple[str, int]]:
+    return sorted((n, size) for n, size in repo_files(repo, endpoint, allow, ignore).items() if size >= min_size)
+
+
+INCOMPLETE = re.compile(r"^(?P<name>.+)\.[0-9A-Za-z]+\.incomplete$")
+
+
+def local_bytes(dest: Path, sizes: dict[str, int]) -> int:
+    """Bytes of the repo files `sizes` that are in `dest` so far: finished files, and partial ones (hubget's and
+    huggingface_hub's `.incomplete` files under dest/.cache), each at most its size."""
+    have: dict[str, int] = {}
+    for p in Path(dest).rglob("*"):
+        if not p.is_file():
+            continue
+        rel = p.relative_to(dest).as_posix()
+        m = INCOMPLETE.match(p.name) if rel.startswith(".cache/") else None
+        name = rel if m is None else str(Path(rel).parent / m["name"]).split("/", 2)[-1]
+        if name in sizes:
+            have[name] = max(have.get(name, 0), min(p.stat().st_size, sizes[name]))
+    return sum(have.values())
 
 
 def partial_dir(dest: Path) -> Path:

@@ -22,7 +22,10 @@ from pathlib import Path
 from twinspark.deploy.config import REPO_ROOT
 from twinspark.deploy.errors import DeployError
 from twinspark.deploy.hosts import say
-from twinspark.deploy.preflight import free_bytes
+from twinspark.deploy.preflight import disk_full, free_bytes
+from twinspark.deploy.progress import Transfer
+from twinspark.deploy.sync.rsync import TIMEOUT_CODES
+from twinspark.deploy.sync.rsync import run as rsync_run
 
 STAMP_LABEL = "org.twinspark.recipe-stamp"
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
@@ -147,9 +150,11 @@ def _stream(s, worker, img) -> str:
     p = worker.popen("docker load", stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sent = 0
     try:
-        for chunk in img.save(chunk_size=SAVE_CHUNK, named=True):
-            p.stdin.write(chunk)
-            sent += len(chunk)
+        with Transfer(f"image stream to {worker.ip}", int(img.attrs.get("Size", 0))) as bar:
+            for chunk in img.save(chunk_size=SAVE_CHUNK, named=True):
+                p.stdin.write(chunk)
+                sent += len(chunk)
+                bar.update(sent)
         p.stdin.close()
     except BrokenPipeError:
         pass
@@ -167,22 +172,28 @@ def _staged(s, head, worker, img, key: str) -> str:
     tar = local_dir / f"{key[:24]}.tar"
     if not tar.is_file():  # a complete tar from an interrupted ship is reused; a half-written .tmp is not
         tmp = tar.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f, Transfer("image save", int(img.attrs.get("Size", 0))) as bar:
             for chunk in img.save(chunk_size=SAVE_CHUNK, named=True):
                 f.write(chunk)
+                bar.update(f.tell())
         tmp.replace(tar)
     remote_dir = Path(s.worker_state_dir or s.state_dir).resolve() / "images"
     worker.run(f"mkdir -p {shlex.quote(str(remote_dir))}", what="creating the staging dir")
     argv = ["rsync", "--partial", "--partial-dir=.rsync-partial", "--timeout=20", "--stats", "-e",
             worker.ssh_command(), str(tar), f"{worker.user}@{worker.ip}:{remote_dir}/"]
-    r = subprocess.run(argv, capture_output=True, text=True)
+    r = rsync_run(argv, f"image to {worker.ip}", tar.stat().st_size)
     if r.returncode:
+        full = None if r.returncode in TIMEOUT_CODES else disk_full(worker, remote_dir, tar.stat().st_size, r.stderr)
+        if full:
+            raise DeployError(f"{full}; free space there (or set WORKER_STATE_DIR, or SHIP_MODE=stream), then re-run: "
+                              "the copy resumes where it stopped.")
         tail = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         raise DeployError(f"Copying the image to the worker failed (rsync exit {r.returncode}: {tail}); check the "
                           "link and SSH, then re-run: the copy resumes where it stopped.")
     m = re.search(r"Total bytes sent: ([\d,]+)", r.stdout)
     sent = int(m.group(1).replace(",", "")) if m else -1
     total = tar.stat().st_size
+    say(f"image: docker load on the worker ({tar.stat().st_size} bytes)")
     worker.run(f"docker load -i {shlex.quote(str(remote_dir / tar.name))}", what="docker load", timeout=900)
     worker.run(f"rm -f {shlex.quote(str(remote_dir / tar.name))}", check=False)
     tar.unlink(missing_ok=True)

@@ -3,7 +3,10 @@ one line per check and raises DeployError with the first failure's sentence; not
 
 Checks: tools, head address is local, key SSH, docker on both nodes (docker runtime), ports free on the head,
 RoCE GID entry at the configured index (sysfs under SYSFS_ROOT), MemAvailable >= per-rank weights + margin,
-free disk for the chosen sync, weights complete."""
+free disk for the chosen sync, the worker's storage matches the sync (a zfs dataset is not rsynced into), weights
+complete. Sizes are shown in IEC units (progress.fmt_bytes), so a small lab disk reads "1.0 MiB", not "0.0 GiB".
+
+`disk_full(host, path, total, stderr)` tells a copy that failed for want of space from other failures."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import psutil
 
 from twinspark.deploy.errors import DeployError
 from twinspark.deploy.hosts import say
+from twinspark.deploy.progress import fmt_bytes
 
 GIB = 1 << 30
 
@@ -157,29 +161,68 @@ def check_memory(s, host, per_rank: int) -> Check:
     need = per_rank + int(s.boot_margin_gib * GIB)
     ok = have >= need
     return Check(f"memory on {host.name}", ok,
-                 f"MemAvailable {have / GIB:.1f} GiB >= {need / GIB:.1f} GiB" if ok else
-                 f"MemAvailable on the {host.name} is {have / GIB:.1f} GiB but a rank needs {per_rank / GIB:.1f} GiB "
+                 f"MemAvailable {fmt_bytes(have)} >= {fmt_bytes(need)}" if ok else
+                 f"MemAvailable on the {host.name} is {fmt_bytes(have)} but a rank needs {fmt_bytes(per_rank)} "
                  f"of weights + BOOT_MARGIN_GIB={s.boot_margin_gib}; stop what uses the memory")
 
 
-def free_bytes(host, path: Path) -> int:
+def space(host, path: Path) -> tuple[int, int, str] | None:
+    """(free bytes on the file system holding `path`, bytes already under `path`, that file system's mount point);
+    `path` may not exist yet (its nearest existing parent is asked). None when the host does not answer."""
     q = shlex.quote(str(path))
-    r = host.run(f"p={q}; while [ ! -e \"$p\" ]; do p=$(dirname \"$p\"); done; df -PB1 \"$p\" | tail -1",
-                 changes=False, check=False)
     try:
-        return int(r.stdout.split()[3])
+        r = host.run(f"p={q}; while [ ! -e \"$p\" ]; do p=$(dirname \"$p\"); done; df -PB1 \"$p\" | tail -1; "
+                     f"du -sb {q} 2>/dev/null | cut -f1", changes=False, check=False, timeout=20)
+    except DeployError:
+        return None
+    lines = r.stdout.splitlines()
+    try:
+        fields = lines[0].split()
+        free, mount = int(fields[3]), fields[5]
     except (IndexError, ValueError):
-        return 0
+        return None
+    have = int(lines[1]) if len(lines) > 1 and lines[1].strip().isdigit() else 0
+    return free, have, mount
 
 
-def check_disk(s, worker, needed: int) -> Check:
+def free_bytes(host, path: Path) -> int:
+    return (space(host, path) or (0, 0, ""))[0]
+
+
+NO_SPACE = ("No space left on device", "Disk quota exceeded", "out of space")
+
+
+def disk_full(host, path: Path, total: int, stderr: str = "") -> str | None:
+    """The sentence for a copy of `total` bytes into `path` that failed because the disk is full (the error says
+    so, or what is left to copy exceeds the free space), else None (also when the host cannot be asked)."""
+    if host.remote and host.reachable() is not None:  # a link failure, not a disk: do not wait for SSH to say so
+        return None
+    room = space(host, path)
+    if room is None:
+        return None
+    free, have, mount = room
+    more = max(0, total - have)
+    if not any(x in stderr for x in NO_SPACE) and more <= free:
+        return None
+    return (f"The {host.name}'s disk is full: {fmt_bytes(free)} free at {path} (file system on {mount}) but the "
+            f"copy needs {fmt_bytes(more)} more of {fmt_bytes(total)}")
+
+
+def check_disk(s, worker, needed: int, sync_plugin=None) -> Check:
     if needed <= 0:
         return Check("disk on worker", True, "nothing to copy")
-    free = free_bytes(worker, s.worker_dir)
-    ok = free >= needed
-    return Check("disk on worker", ok, f"{free / GIB:.1f} GiB free >= {needed / GIB:.1f} GiB" if ok else
-                 f"the worker has {free / GIB:.1f} GiB free at {s.worker_dir} but the sync needs {needed / GIB:.1f} GiB; "
-                 "free space or choose another SYNC")
+    where = getattr(sync_plugin, "room", None)
+    free, have, _ = (where() if where else space(worker, s.worker_dir)) or (0, 0, "")
+    more = max(0, needed - have)
+    ok = free >= more
+    return Check("disk on worker", ok, f"{fmt_bytes(free)} free >= {fmt_bytes(more)} to copy" if ok else
+                 f"the worker has {fmt_bytes(free)} free at {s.worker_dir} but the sync needs {fmt_bytes(more)} more "
+                 f"(of {fmt_bytes(needed)}); free space on the worker or choose another WORKER_MODEL_DIR or SYNC")
+
+
+def check_storage(sync_plugin) -> Check:
+    problem = sync_plugin.storage_problem() if hasattr(sync_plugin, "storage_problem") else None
+    return Check("storage on worker", problem is None, "matches the sync" if problem is None else problem)
 
 
 def weights_problem(model_dir: Path) -> str | None:
@@ -219,7 +262,8 @@ def run(s, head, worker, sync_plugin=None, quiet: bool = False) -> list[Check]:
             per_rank = weight_bytes(s.model_dir) // s.tensor_parallel
             checks += [check_memory(s, head, per_rank), check_memory(s, worker, per_rank)]
             if sync_plugin is not None and not s.skip_sync:
-                checks.append(check_disk(s, worker, sync_plugin.needed_bytes()))
+                checks.append(check_storage(sync_plugin))
+                checks.append(check_disk(s, worker, sync_plugin.needed_bytes(), sync_plugin))
     if not quiet:
         for c in checks:
             say(f"preflight {'NOTE' if c.notice else 'ok  ' if c.ok else 'FAIL'} {c.name}: {c.message}")

@@ -1,6 +1,9 @@
 """zfs sync: per-node datasets; a new snapshot of ZFS_DATASET on the head is sent to WORKER_ZFS_DATASET on the
 worker, incrementally from the newest snapshot both sides share, else in full. Without a pool/dataset on the head
-it says so and falls back to rsync. (zfs-fuse has no resumable send `-s`/`-t`: an interrupted send restarts.)"""
+it says so and falls back to rsync. (zfs-fuse has no resumable send `-s`/`-t`: an interrupted send restarts; its
+snapshot is destroyed, so the next run sends from the same common snapshot.) The stream's bytes are shown as `zfs
+send` writes them (its write counter in /proc, no copy through Python), against the dataset's referenced bytes for
+a full send; a pool that runs out of space is named as such."""
 
 from __future__ import annotations
 
@@ -8,12 +11,31 @@ import shlex
 import subprocess
 import time
 
+import psutil
+
 from twinspark.deploy.errors import DeployError
 from twinspark.deploy.hosts import say
+from twinspark.deploy.preflight import NO_SPACE
+from twinspark.deploy.progress import Transfer, fmt_bytes
+from twinspark.deploy.sync import storage_problem
 from twinspark.deploy.sync.rsync import RsyncSync
 
 PREFIX = "twinspark-"
 KEEP = 2
+
+
+def _written(pid: int) -> int | None:
+    """Bytes the process `pid` and its children wrote so far (what `zfs send` put into the pipe)."""
+    try:
+        p = psutil.Process(pid)
+        return sum(x.io_counters().write_chars for x in [p, *p.children(recursive=True)])
+    except (psutil.Error, AttributeError):
+        return None
+
+
+def _int(host, cmd: str) -> int:
+    out = host.run(cmd, changes=False, check=False).stdout.strip()
+    return int(out) if out.isdigit() else 0
 
 
 def _snaps(host, ds: str) -> list[str]:
@@ -38,10 +60,27 @@ class ZfsSync:
         return None
 
     def needed_bytes(self) -> int:
-        if self._head_ok() or set(_snaps(self.head, self.ds)) & set(_snaps(self.worker, self.wds)):
+        if self._head_ok():
+            return RsyncSync(self.s, self.head, self.worker).needed_bytes()
+        if set(_snaps(self.head, self.ds)) & set(_snaps(self.worker, self.wds)):
             return 0
-        r = self.head.run(f"zfs get -Hp -o value referenced {shlex.quote(self.ds)}", changes=False, check=False)
-        return int(r.stdout.strip() or 0) if r.stdout.strip().isdigit() else 0
+        return _int(self.head, f"zfs get -Hp -o value referenced {shlex.quote(self.ds)}")
+
+    def _pool(self) -> str:
+        return self.wds.split("/")[0]
+
+    def room(self) -> tuple[int, int, str]:
+        """Free bytes of the worker's pool (what a receive fills), nothing received yet, the pool's name."""
+        if self._head_ok():
+            from twinspark.deploy.preflight import space
+
+            return space(self.worker, self.s.worker_dir) or (0, 0, "")
+        return _int(self.worker, f"zfs get -Hp -o value available {shlex.quote(self._pool())}"), 0, self._pool()
+
+    def storage_problem(self) -> str | None:
+        if self._head_ok():
+            return RsyncSync(self.s, self.head, self.worker).storage_problem()
+        return storage_problem(self.worker, self.s.worker_dir, "zfs", self.wds)
 
     def sync(self) -> str:
         problem = self._head_ok()
@@ -70,21 +109,46 @@ class ZfsSync:
             say(f"[dry-run] head: {send} | ssh worker {recv}")
             return f"zfs: would send {self.ds}@{snap} ({mode})"
         self.head.run(f"zfs snapshot {shlex.quote(self.ds)}@{snap}", what="zfs snapshot")
-        p1 = self.head.popen(send, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        p2 = self.worker.popen(recv, stdin=p1.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        p1.stdout.close()
-        _, err2 = p2.communicate()
-        err1 = p1.stderr.read()
-        p1.wait()
-        if p1.returncode or p2.returncode:
+        try:
+            err = self._send(send, recv, None if common else
+                             _int(self.head, f"zfs get -Hp -o value referenced {shlex.quote(self.ds)}@{snap}"))
+        except BaseException:  # Ctrl-C too: the next run sends again from the common snapshot
             self.head.run(f"zfs destroy {shlex.quote(self.ds)}@{snap}", check=False)
-            detail = (err2 or err1).decode(errors="replace").strip().splitlines()
-            raise DeployError(f"zfs send/recv to the worker failed ({detail[-1] if detail else 'exit code'}); "
-                              "check the link and the worker's pool, then re-run (the send restarts).")
+            raise
+        if err is not None:
+            self.head.run(f"zfs destroy {shlex.quote(self.ds)}@{snap}", check=False)
+            if any(x in err for x in NO_SPACE):
+                free = _int(self.worker, f"zfs get -Hp -o value available {shlex.quote(self._pool())}")
+                raise DeployError(f"The worker's pool {self._pool()} is full ({fmt_bytes(free)} available) for the "
+                                  f"{mode} send of {self.ds}; free space in the pool, then re-run (the send restarts).")
+            raise DeployError(f"zfs send/recv to the worker failed ({err}); check the link and the worker's pool, "
+                              "then re-run (the send restarts).")
         mp = str(self.s.worker_dir)
         self.worker.run(f"zfs set mountpoint={shlex.quote(mp)} {shlex.quote(self.wds)}", check=False)
         self._prune()
         return f"zfs: sent {self.ds}@{snap} to the worker's {self.wds} ({mode})"
+
+    def _send(self, send: str, recv: str, total: int | None) -> str | None:
+        """zfs send | ssh worker zfs recv with a progress bar; None on success, else the last error line."""
+        p1 = self.head.popen(send, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p2 = self.worker.popen(recv, stdin=p1.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p1.stdout.close()
+        try:
+            with Transfer(f"zfs send to {self.worker.ip}", total) as bar:
+                bar.watch(lambda: _written(p1.pid))
+                _, err2 = p2.communicate()
+                err1 = p1.stderr.read()
+                bar.update(_written(p1.pid) or bar.done)  # before the wait reaps it: a zombie's counter still reads
+                p1.wait()
+        finally:
+            for p in (p1, p2):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if not (p1.returncode or p2.returncode):
+            return None
+        detail = (err2 or err1).decode(errors="replace").strip().splitlines()
+        return detail[-1] if detail else f"exit codes {p1.returncode}/{p2.returncode}"
 
     def _prune(self) -> None:
         for host, ds in ((self.head, self.ds), (self.worker, self.wds)):
