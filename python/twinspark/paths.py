@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 from pathlib import Path
 
 
@@ -29,3 +30,17 @@ def project_root() -> Path:
         if _is_root(p):
             return p
     return cwd
+
+
+def checkout_commit() -> str:
+    """The checkout's commit (`git rev-parse HEAD`, "+dirty" when tracked files changed), "unknown" outside git."""
+    root = str(project_root())
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")

@@ -89,3 +89,17 @@ def test_extension_drops_max_tokens_only_for_our_provider(tmp_path):
     out = subprocess.run(["node", str(tmp_path / "t.js")], capture_output=True, text=True, timeout=30, env=os.environ)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [{"model": "m", "x": 1}, True]
+
+
+@pytest.mark.vllm
+def test_pi_install_writes_the_context_the_server_serves(vllm_server, tmp_path, capsys):
+    from twinspark.client import cli
+
+    url, key, model = vllm_server
+    assert cli.pi_install(url, config_dir=str(tmp_path), api_key=key) == 0
+    entry = json.loads((tmp_path / "models.json").read_text())["providers"]["twinspark"]["models"][0]
+    assert (entry["id"], entry["contextWindow"], entry["maxTokens"]) == (model, 256, 256)
+    assert "context window 256 tokens: the server's max_model_len" in capsys.readouterr().out
+    assert cli.pi_install(url, config_dir=str(tmp_path), api_key=key, context_window=128) == 0  # a flag wins
+    entry = json.loads((tmp_path / "models.json").read_text())["providers"]["twinspark"]["models"][0]
+    assert (entry["contextWindow"], entry["maxTokens"]) == (128, 128)

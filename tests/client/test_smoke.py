@@ -1,5 +1,6 @@
-"""invoke smoke against a real vLLM server serving the tiny random model (it cannot know 17*19: that check
-must FAIL and say what came back; a tool call forced by a named tool choice must PASS)."""
+"""invoke smoke against a real vLLM server serving the tiny random model: smoke knows it (served as "tiny") and checks
+what it can do (it answers, a grammar-forced answer and tool call parse) instead of 17*19; asked as a real model, the
+17*19 check FAILs and says what came back."""
 
 from __future__ import annotations
 
@@ -23,15 +24,23 @@ def test_image_url_and_bad_tool_choice(tmp_path):
 def test_smoke_against_tiny_model(vllm_server, tmp_path):
     url, key, model = vllm_server
     with Api(url, api_key=key) as api:
-        assert api.model == model
-        checks = smoke.run(api, tool_choice="named", image=None)
+        assert api.model == model and smoke.is_tiny(api)
+        checks = smoke.run(api, tool_choice="auto", image=None)
+        full = smoke.run(api, tool_choice="named", tiny=False)  # the real model's checks against random weights
     by = {c.name: c for c in checks}
-    assert by["17*19 = 323 (thinking off)"].status == "FAIL"  # a random model: honest failure, with its answer
-    assert by["17*19 = 323 (thinking off)"].detail.startswith(("answer '", "empty answer"))
-    assert by["tool call"].status == "PASS", by["tool call"].detail
+    assert by["answers"].status == "PASS" and by["answers"].detail == "8 of 8 tokens (random weights: the text is " \
+        "not checked)"
+    assert by["grammar-forced answer"].status == "PASS", by["grammar-forced answer"].detail
+    assert by["17*19 = 323 (thinking off)"].status == "SKIP"
+    assert by["17*19 = 323 (thinking off)"].detail == "random weights cannot know it"
+    assert by["tool call"].status == "PASS", by["tool call"].detail  # auto becomes named: forced by grammar
     assert by["tool call"].detail.startswith("get_weather(")
     assert by["image request"].status == "SKIP"
-    assert not smoke.passed(checks)
+    assert smoke.passed(checks)
+    real = {c.name: c for c in full}
+    assert real["17*19 = 323 (thinking off)"].status == "FAIL"  # a random model: honest failure, with its answer
+    assert real["17*19 = 323 (thinking off)"].detail.startswith(("answer '", "empty answer"))
+    assert not smoke.passed(full)
 
 
 @pytest.mark.vllm

@@ -5,7 +5,10 @@ prompt lengths: /tokenize).
 - decode per stream = (tokens - 1) / (t_last - t_first) (arrival times of the first and last streamed token);
 - decode aggregate = sum of tokens / (max t_last - min t_first) over the streams run at once (concurrency 1, 2, 4).
 
-Every prompt starts with a fresh nonce so a prefix cache cannot serve it. Prompts are prose or code.
+Every prompt starts with a fresh nonce so a prefix cache cannot serve it. Prompts are prose or code. Each
+measurement is taken `samples` times (a row's value is the median, its samples are kept), so a comparison can tell a
+change from noise. ``fit(s, max_model_len, explicit)`` first makes the lengths fit the context the server serves
+(read from /v1/models): defaults are shrunk with a note, a length the user gave that cannot fit is refused.
 ``run(api, Settings) -> dict`` (the JSON document); benchreport renders, plots and compares it.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import secrets
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -69,6 +73,42 @@ class Settings:
     decode_prompt_tokens: int = 256
     vllm_extensions: bool = True  # ignore_eos (exact lengths) and per-chunk usage (tokens in the first chunk)
     temperature: float = 0.0
+    samples: int = 3
+
+
+def fit(s: Settings, max_len: int | None, explicit: set[str] = frozenset()) -> list[str]:
+    """Shrink the lengths to the server's context length `max_len`; one note per change. A length named in
+    `explicit` (the user gave it: "lengths", "decode_tokens", "decode_prompt_tokens") that cannot fit raises."""
+    if not max_len:
+        return []
+    src = f"the server's max_model_len {max_len} (from /v1/models)"
+    notes = []
+    long = [n for n in s.prefill_lengths if n > max_len - 1]  # the prompt and one generated token
+    if long:
+        if "lengths" in explicit:
+            raise ClientError(f"--lengths {','.join(map(str, long))} do not fit {src}: a prompt has at most "
+                              f"{max_len - 1} tokens; pass smaller --lengths")
+        s.prefill_lengths = [n for n in s.prefill_lengths if n <= max_len - 1] or [max_len // 2]
+        notes.append(f"prefill lengths {', '.join(map(str, long))} exceed {src}: measuring "
+                     f"{', '.join(map(str, s.prefill_lengths))} instead")
+    if s.decode_prompt_tokens + s.decode_tokens > max_len:
+        if explicit & {"decode_tokens", "decode_prompt_tokens"}:
+            raise ClientError(f"--decode-prompt-tokens {s.decode_prompt_tokens} + --decode-tokens {s.decode_tokens} "
+                              f"exceed {src}; pass smaller values")
+        prompt = min(s.decode_prompt_tokens, max_len // 4)
+        tokens = min(s.decode_tokens, max_len - prompt)
+        notes.append(f"decode streams of {s.decode_prompt_tokens} + {s.decode_tokens} tokens exceed {src}: using "
+                     f"{prompt} + {tokens}")
+        s.decode_prompt_tokens, s.decode_tokens = prompt, tokens
+    return notes
+
+
+def _median_row(rows: list[dict], key: str) -> dict:
+    """The sample whose `key` is the median (the lower middle one for an even count), with every sample's value."""
+    ranked = sorted(rows, key=lambda r: r[key])
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    row[f"{key}_samples"] = [r[key] for r in rows]
+    return row
 
 
 @dataclass
@@ -160,47 +200,62 @@ def _stream(api: Api, prompt: str, prompt_tokens: int, max_tokens: int, s: Setti
     return Stream(prompt_tokens, tokens, t0, first, last, first_tokens)
 
 
+def _prefill_once(api: Api, s: Settings, kind: str, target: int) -> dict:
+    prompt, n = make_prompt(api, kind, target)
+    st = _stream(api, prompt, n, 1, s)
+    if st.ttft_s is None:
+        raise ClientError(f"the server streamed no token for a {n}-token {kind} prompt; check its log")
+    return {"kind": kind, "target": target, "prompt_tokens": st.prompt_tokens, "ttft_s": st.ttft_s,
+            "tok_s": st.prompt_tokens / st.ttft_s}
+
+
 def prefill(api: Api, s: Settings, log=print) -> list[dict]:
     rows = []
     for kind in s.kinds:
         for target in s.prefill_lengths:
-            prompt, n = make_prompt(api, kind, target)
-            st = _stream(api, prompt, n, 1, s)
-            if st.ttft_s is None:
-                raise ClientError(f"the server streamed no token for a {n}-token {kind} prompt; check its log")
-            row = {"kind": kind, "target": target, "prompt_tokens": st.prompt_tokens, "ttft_s": st.ttft_s,
-                   "tok_s": st.prompt_tokens / st.ttft_s}
-            log(f"prefill {kind:5s} {st.prompt_tokens:>7d} tokens: TTFT {st.ttft_s:.3f} s, {row['tok_s']:.0f} tok/s")
+            row = _median_row([_prefill_once(api, s, kind, target) for _ in range(s.samples)], "tok_s")
+            log(f"prefill {kind:5s} {row['prompt_tokens']:>7d} tokens: TTFT {row['ttft_s']:.3f} s, {row['tok_s']:.0f} "
+                f"tok/s (median of {s.samples})")
             rows.append(row)
     return rows
+
+
+def _decode_once(api: Api, s: Settings, kind: str, c: int) -> dict:
+    prompts = [make_prompt(api, kind, s.decode_prompt_tokens) for _ in range(c)]
+    with ThreadPoolExecutor(c) as pool:
+        streams = list(pool.map(lambda p: _stream(api, p[0], p[1], s.decode_tokens, s), prompts))
+    per = [x.decode_tok_s for x in streams]
+    if any(v is None for v in per):
+        raise ClientError(f"a {kind} stream at concurrency {c} streamed its tokens in one chunk; ask for "
+                          "more --decode-tokens (or the server ignored ignore_eos: stopped early)")
+    t_first = min(x.t_first for x in streams)
+    agg = sum(x.tokens for x in streams) / (max(x.t_last for x in streams) - t_first)
+    return {"kind": kind, "concurrency": c, "per_stream_tok_s": per, "aggregate_tok_s": agg,
+            "per_stream_mean_tok_s": statistics.mean(per),
+            "streams": [{"tokens": x.tokens, "first_chunk_tokens": x.first_tokens, "ttft_s": x.ttft_s,
+                         "t_first_s": x.t_first - t_first, "t_last_s": x.t_last - t_first} for x in streams]}
 
 
 def decode(api: Api, s: Settings, log=print) -> list[dict]:
     rows = []
     for kind in s.kinds:
         for c in s.concurrency:
-            prompts = [make_prompt(api, kind, s.decode_prompt_tokens) for _ in range(c)]
-            with ThreadPoolExecutor(c) as pool:
-                streams = list(pool.map(lambda p: _stream(api, p[0], p[1], s.decode_tokens, s), prompts))
-            per = [x.decode_tok_s for x in streams]
-            if any(v is None for v in per):
-                raise ClientError(f"a {kind} stream at concurrency {c} streamed its tokens in one chunk; ask for "
-                                  "more --decode-tokens (or the server ignored ignore_eos: stopped early)")
-            t_first = min(x.t_first for x in streams)
-            agg = sum(x.tokens for x in streams) / (max(x.t_last for x in streams) - t_first)
-            rows.append({"kind": kind, "concurrency": c, "per_stream_tok_s": per, "aggregate_tok_s": agg,
-                         "streams": [{"tokens": x.tokens, "first_chunk_tokens": x.first_tokens,
-                                      "ttft_s": x.ttft_s, "t_first_s": x.t_first - t_first,
-                                      "t_last_s": x.t_last - t_first} for x in streams]})
-            log(f"decode  {kind:5s} x{c}: per stream {min(per):.1f}-{max(per):.1f} tok/s, aggregate {agg:.1f} tok/s")
+            samples = [_decode_once(api, s, kind, c) for _ in range(s.samples)]
+            row = _median_row(samples, "aggregate_tok_s")
+            row["per_stream_mean_tok_s_samples"] = [r["per_stream_mean_tok_s"] for r in samples]
+            per = row["per_stream_tok_s"]
+            log(f"decode  {kind:5s} x{c}: per stream {min(per):.1f}-{max(per):.1f} tok/s, aggregate "
+                f"{row['aggregate_tok_s']:.1f} tok/s (median of {s.samples})")
+            rows.append(row)
     return rows
 
 
-def run(api: Api, s: Settings, log=print) -> dict:
-    """The whole bench: {"meta", "settings", "prefill": [...], "decode": [...]}."""
+def run(api: Api, s: Settings, log=print, meta: dict | None = None) -> dict:
+    """The whole bench: {"meta", "settings", "prefill": [...], "decode": [...]}; `meta` adds to the document's
+    meta (the CLI: commit and recipe)."""
     bad = [c for c in s.concurrency if c < 1] + [n for n in s.prefill_lengths if n < 1]
-    if bad or s.decode_tokens < 2:
-        raise ClientError("concurrency and prompt lengths must be positive and --decode-tokens at least 2")
-    meta = {"url": api.root, "model": api.model,
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    if bad or s.decode_tokens < 2 or s.samples < 1:
+        raise ClientError("concurrency, prompt lengths and --samples must be positive and --decode-tokens at least 2")
+    meta = {"url": api.root, "model": api.model, "max_model_len": api.max_model_len,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **(meta or {})}
     return {"meta": meta, "settings": asdict(s), "prefill": prefill(api, s, log), "decode": decode(api, s, log)}

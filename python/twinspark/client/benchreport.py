@@ -1,5 +1,7 @@
 """Render a bench document (client.bench.run): markdown table, PNG plots, JSON (temp + rename), and the change
-against a previous run (--compare PREVIOUS.json)."""
+against a previous run (--compare PREVIOUS.json). A comparison uses every sample of both runs: medians for the
+change, and a change counts only when the two runs' sample ranges do not overlap (a single sample cannot tell a
+change from noise, and says so); the header names both runs' commit and recipe."""
 
 from __future__ import annotations
 
@@ -13,20 +15,43 @@ from twinspark.client.http import ClientError
 from twinspark.fileio import atomic_write
 
 
-def metrics(doc: dict) -> dict[str, float]:
-    """Flat {metric name: value}: the keys compare across runs."""
+def metrics(doc: dict) -> dict[str, list[float]]:
+    """Flat {metric name: samples}: the keys compare across runs (a document of one sample per row gives lists
+    of one)."""
     out = {}
     for r in doc.get("prefill", []):
-        out[f"prefill {r['kind']} {r['target']} tok/s"] = r["tok_s"]
+        out[f"prefill {r['kind']} {r['target']} tok/s"] = r.get("tok_s_samples") or [r["tok_s"]]
     for r in doc.get("decode", []):
-        out[f"decode {r['kind']} x{r['concurrency']} per-stream tok/s"] = statistics.mean(r["per_stream_tok_s"])
-        out[f"decode {r['kind']} x{r['concurrency']} aggregate tok/s"] = r["aggregate_tok_s"]
-    return out
+        key = f"decode {r['kind']} x{r['concurrency']}"
+        out[f"{key} per-stream tok/s"] = (r.get("per_stream_mean_tok_s_samples")
+                                          or [statistics.mean(r["per_stream_tok_s"])])
+        out[f"{key} aggregate tok/s"] = r.get("aggregate_tok_s_samples") or [r["aggregate_tok_s"]]
+    return {k: [float(x) for x in v] for k, v in out.items()}
+
+
+def _spread(v: list[float]) -> str:
+    m = statistics.median(v)
+    return f"{m:.1f}" if len(v) < 2 else f"{m:.1f} ({min(v):.1f}-{max(v):.1f}, n={len(v)})"
+
+
+def verdict(new: list[float], old: list[float]) -> str:
+    if min(len(new), len(old)) < 2:
+        return "one sample: cannot tell from noise"
+    if max(new) < min(old) or min(new) > max(old):
+        return "beyond noise"
+    return "within noise"
+
+
+def _who(doc: dict) -> str:
+    m = doc.get("meta", {})
+    return f"commit {str(m.get('commit', '?'))[:12]}, recipe {m.get('recipe', '?')}, {m.get('date', '?')}"
 
 
 def markdown(doc: dict) -> str:
     m = doc["meta"]
+    n = doc.get("settings", {}).get("samples", 1)
     lines = [f"# Bench: {m['model']} at {m['url']} ({m['date']})", "",
+             f"{_who(doc)}; max_model_len {m.get('max_model_len', '?')}; each row the median of {n} sample(s)", "",
              "| prefill | prompt tokens | TTFT s | tok/s |", "|---|---|---|---|"]
     for r in doc["prefill"]:
         lines.append(f"| {r['kind']} | {r['prompt_tokens']} | {r['ttft_s']:.3f} | {r['tok_s']:.1f} |")
@@ -39,15 +64,18 @@ def markdown(doc: dict) -> str:
 
 
 def compare(doc: dict, previous: dict) -> str:
-    """A markdown table of every metric both runs have: old, new, change in percent."""
+    """A markdown table of every metric both runs have: medians (range, samples), change of the medians in
+    percent, and whether the change is beyond the samples' noise."""
     new, old = metrics(doc), metrics(previous)
     common = [k for k in new if k in old]
     if not common:
         return "No metric in common with the previous run (different lengths, kinds or concurrency).\n"
-    lines = ["| metric | previous | now | change |", "|---|---|---|---|"]
+    lines = [f"previous: {_who(previous)}; now: {_who(doc)}", "",
+             "| metric | previous | now | change | verdict |", "|---|---|---|---|---|"]
     for k in common:
-        ch = (new[k] - old[k]) / old[k] * 100 if old[k] else float("nan")
-        lines.append(f"| {k} | {old[k]:.1f} | {new[k]:.1f} | {ch:+.1f}% |")
+        a, b = statistics.median(old[k]), statistics.median(new[k])
+        ch = (b - a) / a * 100 if a else float("nan")
+        lines.append(f"| {k} | {_spread(old[k])} | {_spread(new[k])} | {ch:+.1f}% | {verdict(new[k], old[k])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -93,25 +93,55 @@ def smoke(url=None, api_key=None, tool_choice="auto", image=None, recipe=None) -
         with _api(url, api_key, recipe) as api:
             checks = sm.run(api, tool_choice=tool_choice, image=image)
             title = f"smoke: {api.model} at {api.root}"
+            tiny = sm.is_tiny(api)
     except ClientError as e:
         raise Failed(str(e)) from None
+    if tiny:
+        print(sm.TINY_NOTE)
     Console().print(sm.table(checks, title))
     return 0 if sm.passed(checks) else 1
 
 
-def bench(url=None, api_key=None, lengths="1024,8192,32768", kinds="prose,code", concurrency="1,2,4",
-          decode_tokens=256, decode_prompt_tokens=256, out="bench/results/serve", compare=None,
-          no_vllm_extensions=False, recipe=None) -> int:
+BENCH_DEFAULTS = {"lengths": "1024,8192,32768", "decode_tokens": 256, "decode_prompt_tokens": 256}
+
+
+def run_meta(recipe: str | None) -> dict:
+    """Commit and recipe for a bench document: the checkout's, and the recorded deployment's where there is one."""
+    from twinspark.paths import checkout_commit
+
+    meta = {"commit": checkout_commit(), "recipe": recipe}
+    try:
+        from twinspark.deploy import config, state
+
+        s, _ = config.load({"recipe": recipe} if recipe else {})
+        rec = state.load(s.state_dir, required=False) or {}
+        meta["recipe"] = (rec.get("settings") or {}).get("recipe") or recipe or s.recipe
+        if rec.get("commit"):
+            meta["deploy_commit"] = rec["commit"]
+    except Exception:  # noqa: BLE001 - no deploy config here: the checkout's commit and the flag's recipe
+        pass
+    return meta
+
+
+def bench(url=None, api_key=None, lengths=None, kinds="prose,code", concurrency="1,2,4", decode_tokens=None,
+          decode_prompt_tokens=None, out="bench/results/serve", compare=None, no_vllm_extensions=False, recipe=None,
+          samples=3) -> int:
     from twinspark.client import bench as bn
     from twinspark.client import benchreport
 
-    s = bn.Settings(prefill_lengths=_ints(lengths, "--lengths"), kinds=[k for k in kinds.split(",") if k],
-                    concurrency=_ints(concurrency, "--concurrency"), decode_tokens=int(decode_tokens),
-                    decode_prompt_tokens=int(decode_prompt_tokens), vllm_extensions=not no_vllm_extensions)
+    given = {"lengths": lengths, "decode_tokens": decode_tokens, "decode_prompt_tokens": decode_prompt_tokens}
+    explicit = {k for k, v in given.items() if v is not None}
+    v = {k: BENCH_DEFAULTS[k] if x is None else x for k, x in given.items()}
+    s = bn.Settings(prefill_lengths=_ints(v["lengths"], "--lengths"), kinds=[k for k in kinds.split(",") if k],
+                    concurrency=_ints(concurrency, "--concurrency"), decode_tokens=_int(v["decode_tokens"], "--decode-tokens", 2),
+                    decode_prompt_tokens=_int(v["decode_prompt_tokens"], "--decode-prompt-tokens"),
+                    vllm_extensions=not no_vllm_extensions, samples=_int(samples, "--samples"))
     try:
         previous = benchreport.load(compare) if compare else None
         with _api(url, api_key, recipe) as api:
-            doc = bn.run(api, s)
+            for note in bn.fit(s, api.max_model_len, explicit):
+                print(f"bench: {note}")
+            doc = bn.run(api, s, meta=run_meta(recipe))
     except ClientError as e:
         raise Failed(str(e)) from None
     stem = "bench-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -228,18 +258,27 @@ def forecast(model_dir, tp=None, overhead_ms=None, gb10_gbps=None, step_results=
 
 
 def pi_install(url, model=None, config_dir=None, key_env="TWINSPARK_API_KEY", enable=False, default=False,
-               context_window=600_000, max_tokens=32_768, dry_run=False, api_key=None) -> int:
+               context_window=None, max_tokens=32_768, dry_run=False, api_key=None) -> int:
+    """Model id and context window default to what the server serves (/v1/models: id, max_model_len)."""
     from twinspark.client import pi
 
-    if not model:
+    if not model or context_window is None:
         try:
-            with Api(url, api_key=resolve_api_key(api_key)) as api:
-                model = api.model
+            with Api(url, api_key=resolve_api_key(api_key), model=model) as api:
+                model, served = api.model, api.max_model_len
         except ClientError as e:
-            raise Failed(f"cannot ask {url} for its model id ({e}); pass --model") from None
+            raise Failed(f"cannot ask {url} for its model id and context length ({e}); pass --model and "
+                         "--context-window") from None
+        if context_window is None:
+            if served is None:
+                raise Failed(f"{url} does not say its context length in /v1/models; pass --context-window")
+            context_window = served
+            print(f"context window {served} tokens: the server's max_model_len")
+    max_tokens = min(_int(max_tokens, "--max-tokens"), _int(context_window, "--context-window"))
     try:
         out = pi.install(url, model, config=config_dir, key_env=key_env, enable=enable, default=default,
-                         context_window=int(context_window), max_tokens=int(max_tokens), dry_run=dry_run)
+                         context_window=_int(context_window, "--context-window"), max_tokens=max_tokens,
+                         dry_run=dry_run)
     except ClientError as e:
         raise Failed(str(e)) from None
     verb = "would write" if dry_run else "wrote"

@@ -40,6 +40,7 @@ class Api:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.root, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
         self._model = model
+        self._info: dict[str, Any] | None = None
 
     def close(self) -> None:
         self.http.close()
@@ -103,15 +104,27 @@ class Api:
             raise self._fail(path, exc=e) from None
 
     # -------------------------------------------------------------------------------------------- endpoints
+    def model_info(self) -> dict[str, Any]:
+        """The served model's entry in /v1/models (id, max_model_len, root): the given id's, else the first."""
+        if self._info is None:
+            data = self.get("/v1/models").get("data", [])
+            if not data:
+                raise ClientError(f"{self.root}/v1/models lists no model; is the server still loading?")
+            self._info = next((m for m in data if m.get("id") == self._model), data[0])
+        return self._info
+
     @property
     def model(self) -> str:
         """The served model id (the only one, or the one given)."""
         if self._model is None:
-            data = self.get("/v1/models").get("data", [])
-            if not data:
-                raise ClientError(f"{self.root}/v1/models lists no model; is the server still loading?")
-            self._model = data[0]["id"]
+            self._model = self.model_info()["id"]
         return self._model
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length the server serves (vLLM lists it in /v1/models; None where a server does not)."""
+        v = self.model_info().get("max_model_len")
+        return int(v) if isinstance(v, int) and v > 0 else None
 
     def count_tokens(self, prompt: str | None = None, messages: list | None = None) -> int:
         """Exact prompt length from vLLM's /tokenize (the same tokenizer and special tokens as a request)."""

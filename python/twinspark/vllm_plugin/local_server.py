@@ -98,14 +98,20 @@ class LocalServer:
         return self
 
     def root_cause(self) -> str | None:
-        """The first exception line of the log (a plugin error is preferred): vLLM's own last line only says
-        'Engine core initialization failed. See root cause above'."""
+        """The first raised exception of the log (a plugin error is preferred): vLLM's own last line only says
+        'Engine core initialization failed. See root cause above'. Log lines at WARNING or INFO level are not
+        errors, even when they quote one (vLLM's ulimit warning names `OSError: [Errno 24] ...`); a line counts
+        when, after vLLM's "(Process pid=N)" prefix, it starts with the exception's name or is logged as ERROR."""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return None
-        errors = [ln.strip() for ln in lines if re.search(r"\w(Error|Exception): ", ln)
-                  and "See root cause above" not in ln]
+        errors = []
+        for ln in lines:
+            text = re.sub(r"^\(\w+ pid=\d+\)\s*", "", ln.strip())
+            raised = re.match(r"([\w.]+(Error|Exception)|ERROR\b.*?\w(Error|Exception)): ", text)
+            if raised and "See root cause above" not in text:
+                errors.append(text)
         ours = [ln for ln in errors if "Exl3FormatError" in ln or "twinspark" in ln]
         return (ours or errors or [None])[0]
 
