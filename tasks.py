@@ -66,9 +66,13 @@ def launch(c, recipe=None, set=None, runtime=None, dry_run=False):
 
 @task(iterable=["set"], help=_h(dry=False))
 def status(c, recipe=None, set=None):
-    """Health of both ranks and the API."""
+    """The deployment, both ranks, the link, the watchdog and the API's /health. Exit code: 0 serving, 1 nothing
+    deployed, stopped or failed, 2 deployed but not serving now (booting, split, unwatched)."""
     api, cli = _d()
-    print(cli.table(cli.call(api.status, cli.flags(recipe, set))))
+    rows, code = cli.call(api.status, cli.flags(recipe, set))
+    print(cli.table(rows))
+    if code:
+        raise Exit(code=code)
 
 
 @task(iterable=["set"], help=_h(dry=False, worker="show the worker's log instead of the head's", lines="how many lines (50)",
@@ -89,11 +93,17 @@ def stop(c, recipe=None, set=None, dry_run=False):
     print(cli.call(api.stop, cli.flags(recipe, set), dry_run=dry_run))
 
 
-@task(iterable=["set"], help=_h(skip_sync="do not sync the weights again"))
-def restart(c, recipe=None, set=None, skip_sync=False, dry_run=False):
-    """Stop, then deploy again."""
+@task(iterable=["set"], help=_h(sync="weight sync plugin: rsync, zfs or nfs (default: the deployment's)",
+                                runtime="runtime plugin: docker or process (default: the deployment's)",
+                                skip_sync="do not sync the weights again", memguard="start the memory guard on both nodes",
+                                skip_preflight="skip the preflight checks"))
+def restart(c, recipe=None, set=None, sync=None, runtime=None, skip_sync=False, memguard=False, skip_preflight=False,
+            dry_run=False):
+    """Stop, then deploy again with the settings the deployment was started with (flags given now override them);
+    a sync method that does not match the worker's storage is refused before anything is stopped."""
     api, cli = _d()
-    print(cli.call(api.restart, cli.flags(recipe, set), dry_run=dry_run, skip_sync=skip_sync))
+    f = cli.flags(recipe, set, sync=sync, runtime=runtime, skip_sync=skip_sync, memguard=memguard)
+    print(cli.call(api.restart, f, dry_run=dry_run, skip_preflight=skip_preflight))
 
 
 @task(help={
@@ -144,21 +154,25 @@ def smoke(c, url=None, api_key=None, tool_choice="auto", image=None, recipe=None
     _client("smoke", url=url, api_key=api_key, tool_choice=tool_choice, image=image, recipe=recipe)
 
 
-@task(iterable=["set"], help={**_URL_HELP, "lengths": "prefill prompt lengths in tokens, comma-separated (1024,8192,32768)",
+@task(iterable=["set"], help={**_URL_HELP, "lengths": "prefill prompt lengths in tokens, comma-separated (default "
+                                                      "1024,8192,32768, shrunk to the server's max_model_len)",
             "set": "with --long: a deploy setting KEY=VALUE (repeatable), as for deploy",
             "kinds": "prompt kinds: prose,code", "concurrency": "decode streams at once, comma-separated (1,2,4)",
-            "decode_tokens": "tokens per decode stream (256)", "decode_prompt_tokens": "prompt of a decode stream (256)",
+            "decode_tokens": "tokens per decode stream (256; shrunk to fit the server's max_model_len)",
+            "decode_prompt_tokens": "prompt of a decode stream (256; shrunk to fit)",
+            "samples": "samples of every measurement; rows and --compare use their median and range (3)",
             "out": "folder for the JSON, markdown and PNG (bench/results/serve)",
-            "compare": "a previous bench JSON: print the change of every metric",
+            "compare": "a previous bench JSON: the change of every metric, and whether it is beyond the samples' noise",
             "no_vllm_extensions": "do not send ignore_eos/continuous_usage_stats (non-vLLM servers)",
             "long": "instead: the long-prefill check (the longest prompt MAX_MODEL_LEN allows, MemAvailable "
                     "low-water on both nodes, a warning under the memory guard threshold + margin)",
             "max_model_len": "with --long: the prompt limit to use (default: MAX_MODEL_LEN of the config)"})
-def bench(c, url=None, api_key=None, lengths="1024,8192,32768", kinds="prose,code", concurrency="1,2,4",
-          decode_tokens=256, decode_prompt_tokens=256, out="bench/results/serve", compare=None,
-          no_vllm_extensions=False, recipe=None, long=False, max_model_len=None, set=None):
+def bench(c, url=None, api_key=None, lengths=None, kinds="prose,code", concurrency="1,2,4", decode_tokens=None,
+          decode_prompt_tokens=None, out="bench/results/serve", compare=None, no_vllm_extensions=False, recipe=None,
+          long=False, max_model_len=None, set=None, samples=3):
     """Prefill tok/s (prompt / TTFT, exact lengths via /tokenize) and decode tok/s per stream and aggregate at
-    1, 2, 4 streams against an OpenAI-compatible server; --long: the long-prefill memory check."""
+    1, 2, 4 streams against an OpenAI-compatible server, each the median of --samples runs, within the context the
+    server serves (/v1/models); the JSON names the commit and recipe; --long: the long-prefill memory check."""
     if long:
         _, cli = _d()
         _client("bench_long", url=url, api_key=api_key, flags=cli.flags(recipe, set), max_model_len=max_model_len,
@@ -166,7 +180,7 @@ def bench(c, url=None, api_key=None, lengths="1024,8192,32768", kinds="prose,cod
         return
     _client("bench", url=url, api_key=api_key, lengths=lengths, kinds=kinds, concurrency=concurrency,
             decode_tokens=decode_tokens, decode_prompt_tokens=decode_prompt_tokens, out=out, compare=compare,
-            no_vllm_extensions=no_vllm_extensions, recipe=recipe)
+            no_vllm_extensions=no_vllm_extensions, recipe=recipe, samples=samples)
 
 
 _BUDGET_HELP = {"model_dir": "checkpoint folder (*.safetensors, config.json); only headers are read",
@@ -222,12 +236,13 @@ def forecast_(c, model_dir, tp=None, draft_tokens=None, acceptance_length=None, 
                                "config_dir": "Pi's config folder (default: $PI_CODING_AGENT_DIR or ~/.pi/agent)",
                                "key_env": "environment variable Pi reads the API key from (TWINSPARK_API_KEY)",
                                "enable": "add the model to enabledModels in settings.json",
-                               "default": "make it Pi's default model", "context_window": "context window (600000)",
+                               "default": "make it Pi's default model",
+                               "context_window": "context window (default: the server's max_model_len)",
                                "max_tokens": "max output tokens Pi plans with (32768)",
                                "dry_run": "print the files that would change, change nothing",
                                "api_key": "key to ask the server for its model id (not written anywhere)"})
 def pi_install(c, url, model=None, config_dir=None, key_env="TWINSPARK_API_KEY", enable=False, default=False,
-               context_window=600000, max_tokens=32768, dry_run=False, api_key=None):
+               context_window=None, max_tokens=32768, dry_run=False, api_key=None):
     """Add or replace only our provider in Pi's models.json (timestamped backup, atomic write) and install the
     extension that drops max_tokens from our provider's requests."""
     _client("pi_install", url=url, model=model, config_dir=config_dir, key_env=key_env, enable=enable,

@@ -3,8 +3,10 @@ points the deploy tasks at both."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -71,31 +73,61 @@ def _has(ip: str) -> bool:
         return False
 
 
-@pytest.fixture
-def lab_flags(lab, tmp_path, tiny_model) -> dict[str, str]:
-    """--set values for a tiny-cpu deployment into the lab, each test with its own state/log/model dirs."""
-    head_model = tmp_path / "head-model"
-    shutil.copytree(tiny_model, head_model)
+def deploy_flags(lab, root: Path, model: Path) -> dict[str, str]:
+    """--set values for a tiny-cpu deployment of `model` into the lab, with state/log/model dirs under `root`."""
+    head_model = root / "head-model"
+    shutil.copytree(model, head_model)
     py_spy = Path(sys.executable).parent / "py-spy"
     return {
         **lab.settings_flags(),
-        "RECIPE": "tiny-cpu", "MODEL_DIR": str(head_model), "WORKER_MODEL_DIR": str(tmp_path / "worker-model"),
-        "STATE_DIR": str(tmp_path / "state"), "LOG_DIR": str(tmp_path / "logs"), "VLLM_PYTHON": sys.executable,
+        "RECIPE": "tiny-cpu", "MODEL_DIR": str(head_model), "WORKER_MODEL_DIR": str(root / "worker-model"),
+        "STATE_DIR": str(root / "state"), "LOG_DIR": str(root / "logs"), "VLLM_PYTHON": sys.executable,
         "PY_SPY": str(py_spy) if py_spy.exists() else "py-spy",
         "API_PORT": str(free_port()), "MASTER_PORT": str(free_port()),
         "HEAD_ENV": '{"VLLM_CPU_OMP_THREADS_BIND": "0"}', "WORKER_ENV": '{"VLLM_CPU_OMP_THREADS_BIND": "1"}',
     }
 
 
-def invoke(task: str, flags: dict[str, str], *extra: str, timeout: float = 400,
-           env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`invoke TASK --set K=V ...` from the checkout, as a user runs it."""
+@pytest.fixture
+def lab_flags(lab, tmp_path, tiny_model) -> dict[str, str]:
+    """deploy_flags for one test, in its own tmp_path."""
+    return deploy_flags(lab, tmp_path, tiny_model)
+
+
+def read_state(flags) -> dict:
+    return json.loads((Path(flags["STATE_DIR"]) / "deployment.json").read_text())
+
+
+def stop_deployment(flags) -> None:
+    """Stop by the recorded PIDs even when the test failed half-way (the lab removes the namespace after)."""
+    invoke("stop", flags, timeout=120)
+    p = Path(flags["STATE_DIR"]) / "deployment.json"
+    if p.is_file():
+        rec = json.loads(p.read_text())
+        for pid in [rec.get("watch_pid"), rec.get("ranks", {}).get("head", {}).get("pid")]:
+            if pid:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def invoke_command(task: str, flags: dict[str, str], *extra: str,
+                   env_extra: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of `invoke TASK --set K=V ...` (no setting from this process's environment, no .env)."""
     argv = [sys.executable, "-m", "invoke", task, *extra]
     for k, v in flags.items():
         argv += ["--set", f"{k}={v}"]
     env = {k: v for k, v in os.environ.items() if k.upper() not in _SETTING_KEYS}
     env["TWINSPARK_ENV_FILE"] = ""  # no .env: only the flags and the recipe
     env.update(env_extra or {})
+    return argv, env
+
+
+def invoke(task: str, flags: dict[str, str], *extra: str, timeout: float = 400,
+           env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`invoke TASK --set K=V ...` from the checkout, as a user runs it."""
+    argv, env = invoke_command(task, flags, *extra, env_extra=env_extra)
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -1,30 +1,52 @@
 """What the invoke tasks call. Contract: every function takes `flags` (KEY -> value, highest precedence) and
-`dry_run`; it returns a short summary string or raises DeployError (one sentence). Order of `deploy`: preflight,
-download, image + ship (docker runtime), weight sync, worker rank, head rank, /health, watchdog (+ memory guards)."""
+`dry_run`; it returns a short summary string or raises DeployError (one sentence; `progress.Interrupted` on Ctrl-C,
+saying what state was left and how to resume). Settings and plugin names are checked before any host is touched.
+Steps of `deploy`, each timed and showing its progress (twinspark.deploy.progress): fabric, download, preflight,
+image + ship (docker runtime), weight sync, then launch and boot (twinspark.deploy.launching). The commands that act
+on what runs (status, logs, stop, restart) take the recorded deployment's settings, flags given now over them. `status` returns rows and an exit code (0 serving, 1 not deployed, stopped or
+failed, 2 deployed but not serving now: booting, split, unwatched)."""
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-from twinspark.deploy import apikey, config, operate, plugins, preflight, state
+from twinspark.deploy import config, gate, launching, operate, plugins, preflight, progress, state
 from twinspark.deploy.errors import DeployError
 from twinspark.deploy.hosts import make_hosts, say
-from twinspark.deploy.vllm_args import rank_env
+
+NOTHING_CHANGED = "nothing was changed; run the command again"
+SYNC_RESUME = {
+    "rsync": "the worker's copy is incomplete (it has no sync marker, so nothing serves from it) and resumes where "
+             "it stopped: run `invoke deploy` (or `invoke sync`) again",
+    "zfs": "the worker did not receive the snapshot (the head's was destroyed); `invoke deploy` (or `invoke sync`) "
+           "sends it again from the start",
+    "nfs": "the export or the mount may be half made; `invoke deploy` (or `invoke sync`) makes them again",
+}
+IMAGE_RESUME = ("a built image is kept and a staged copy resumes where it stopped (a streamed one restarts): run "
+                "`invoke deploy` (or `invoke ship`) again")
+DOWNLOAD_RESUME = "finished files and partial shards are kept: run `invoke deploy` again to resume the download"
 
 
 def _setup(flags: dict, dry_run: bool):
     s, where = config.load(flags)
+    plugins.check_names(s, where)
     head, worker = make_hosts(s, dry_run=dry_run)
     return s, where, head, worker
 
 
+def _recorded(flags: dict, dry_run: bool = False, required: bool = True):
+    """For the commands that act on what runs (status, logs, stop, restart): the recorded deployment's settings,
+    flags given now over them (`saved_flags`), its record (None when there is none and not `required`)."""
+    s0, _ = config.load(flags)
+    rec = state.load(s0.state_dir, required=required)
+    s, where, head, worker = _setup({**saved_flags(rec), **flags}, dry_run)
+    return s, head, worker, rec
+
+
 def show_config(flags: dict) -> list[tuple[str, str, str]]:
     s, where = config.load(flags)
+    plugins.check_names(s, where)
     return config.describe(where, s)
 
 
@@ -39,7 +61,8 @@ def _runtime(s, head, worker):
 def sync(flags: dict, dry_run: bool = False) -> str:
     s, _, head, worker = _setup(flags, dry_run)
     try:
-        return _sync_plugin(s, head, worker).sync()
+        with progress.Steps(quiet=True).step(f"sync ({s.sync})", SYNC_RESUME.get(s.sync, NOTHING_CHANGED)):
+            return _sync_plugin(s, head, worker).sync()
     finally:
         worker.close()
 
@@ -49,7 +72,8 @@ def ship(flags: dict, dry_run: bool = False) -> str:
     from twinspark.deploy import image
 
     try:
-        return image.ensure_and_ship(s, head, worker)
+        with progress.Steps(quiet=True).step("image", IMAGE_RESUME):
+            return image.ensure_and_ship(s, head, worker)
     finally:
         worker.close()
 
@@ -87,30 +111,41 @@ def apply_fabric(s, where: dict, head, worker):
     return s.model_copy(update=update)
 
 
+def _refuse_live(s, head, worker) -> None:
+    old = state.load(s.state_dir, required=False)
+    if old and old.get("status") in state.LIVE:
+        rt = _runtime_for(old, head, worker, s)
+        if any(rt.alive(r, old["ranks"][r]) for r in old.get("ranks", {})):
+            raise DeployError("A deployment is already running (see `invoke status`); run `invoke stop` or "
+                              "`invoke restart` first.")
+
+
 def deploy(flags: dict, dry_run: bool = False, skip_preflight: bool = False) -> str:
     s, where, head, worker = _setup(flags, dry_run)
+    steps = progress.Steps()
     try:
-        s = apply_fabric(s, where, head, worker)
-        old = state.load(s.state_dir, required=False)
-        if old and old.get("status") in ("booting", "running") and not dry_run:
-            rt = _runtime_for(old, head, worker, s)
-            if any(rt.alive(r, old["ranks"][r]) for r in old.get("ranks", {})):
-                raise DeployError("A deployment is already running (see `invoke status`); run `invoke stop` or "
-                                  "`invoke restart` first.")
+        with steps.step("fabric", NOTHING_CHANGED):
+            s = apply_fabric(s, where, head, worker)
+            if not dry_run:
+                _refuse_live(s, head, worker)
         if s.auto_download:
             from twinspark.deploy import download
 
-            say(download.fetch(s, dry_run=dry_run))
+            with steps.step("download", DOWNLOAD_RESUME):
+                say(download.fetch(s, dry_run=dry_run))
         syncp = None if s.skip_sync else _sync_plugin(s, head, worker)
         if not skip_preflight:
-            preflight.run(s, head, worker, syncp)
+            with steps.step("preflight", NOTHING_CHANGED):
+                preflight.run(s, head, worker, syncp)
         if s.runtime == "docker":
             from twinspark.deploy import image
 
-            say(image.ensure_and_ship(s, head, worker))
+            with steps.step("image", IMAGE_RESUME):
+                say(image.ensure_and_ship(s, head, worker))
         if syncp is not None:
-            say(syncp.sync())
-        return _launch(s, head, worker, dry_run)
+            with steps.step(f"sync ({s.sync})", SYNC_RESUME.get(s.sync, NOTHING_CHANGED)):
+                say(syncp.sync())
+        return launching.launch_ranks(s, head, worker, dry_run, steps)
     finally:
         worker.close()
 
@@ -118,7 +153,7 @@ def deploy(flags: dict, dry_run: bool = False, skip_preflight: bool = False) -> 
 def launch(flags: dict, dry_run: bool = False) -> str:
     s, _, head, worker = _setup(flags, dry_run)
     try:
-        return _launch(s, head, worker, dry_run)
+        return launching.launch_ranks(s, head, worker, dry_run, progress.Steps())
     finally:
         worker.close()
 
@@ -127,77 +162,55 @@ def _runtime_for(rec: dict, head, worker, s):
     return plugins.load("twinspark.runtime", rec.get("runtime", s.runtime))(s, head, worker)
 
 
-def _launch(s, head, worker, dry_run: bool) -> str:
-    rt = _runtime(s, head, worker)
-    key = apikey.api_key(s, dry_run=dry_run)
-    secret = {"VLLM_API_KEY": key} if key else {}
-    infos = {}
-    rec = {"runtime": s.runtime, "status": "booting", "ranks": infos, "started": time.time(),
-           "settings": s.model_dump(mode="json"), "watch_pid": 0}
-    if hasattr(rt, "preflight_launch"):
-        rt.preflight_launch()
-    infos["worker"] = rt.start("worker", rank_env(s, "worker"))  # worker first: the head waits for it
-    if not dry_run:
-        state.save(s.state_dir, rec)
-    infos["head"] = rt.start("head", rank_env(s, "head"), secret_env=secret)
-    if dry_run:
-        return "dry-run: nothing was started"
-    state.save(s.state_dir, rec)
-    ctx = operate.Ctx(s, rt, infos, key)
+def _clock(t) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(float(t or 0)))
+
+
+def _deployment_row(rec: dict, health: dict, api: tuple) -> str:
+    st, reason = rec.get("status", "?"), rec.get("reason")
+    if st == "running":
+        line = f"running since {_clock(rec.get('running_since') or rec.get('started'))} (boot {rec.get('boot_s')} s)"
+        return line if api[0] == 200 else f"{line}, but /health says: {api[1]}"
+    if st == "booting":
+        return f"booting since {_clock(rec.get('started'))} ({launching.phase_text(health.get('phase') or {})})"
+    return f"{st}: {reason}" if reason else st
+
+
+def status(flags: dict) -> tuple[list[tuple[str, str]], int]:
+    """Rows of `invoke status` and its exit code: 0 serving, 1 nothing deployed / stopped / failed, 2 deployed but
+    not serving now (booting, split, unwatched, a rank or the link down)."""
+    s, head, worker, rec = _recorded(flags, required=False)
     try:
-        boot = operate.wait_ready(ctx)
-    except DeployError as e:
-        state.update(s.state_dir, status="failed", reason=str(e))
-        raise
-    rec["status"] = "running"
-    rec["boot_s"] = round(boot, 1)
-    rec["watch_pid"] = _spawn_watch(s)
-    rec["memguard"] = _spawn_memguards(s, head, worker, rt, infos) if s.memguard else {}
-    state.save(s.state_dir, rec)
-    keynote = f"; API key in {apikey.key_path(s.state_dir).resolve()}" if key else ""
-    return f"serving {s.served_model_name} at {operate.base_url(s)}/v1 after {boot:.0f} s{keynote}"
-
-
-def _spawn_watch(s) -> int:
-    log = Path(s.log_dir).resolve() / "watch.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as f:
-        p = subprocess.Popen([sys.executable, "-m", "twinspark.deploy.watch", str(Path(s.state_dir).resolve())],
-                             stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                             cwd=os.getcwd())
-    return p.pid
-
-
-def _spawn_memguards(s, head, worker, rt, infos) -> dict:
-    out = {}
-    for rank, host in (("head", head), ("worker", worker)):
-        target = rt.guard_target(rank, infos[rank]) if hasattr(rt, "guard_target") else ["--pid", str(infos[rank]["pid"])]
-        py = sys.executable if rank == "head" else s.vllm_python
-        argv = [py, "-m", "twinspark.deploy.memguard", *target, "--min-gib", str(s.memguard_min_gib)]
-        out[rank] = host.spawn(argv, env={}, log=Path(s.log_dir).resolve() / f"memguard-{rank}.log")
-    return out
-
-
-def status(flags: dict) -> list[tuple[str, str]]:
-    s, _, head, worker = _setup(flags, False)
-    rec = state.load(s.state_dir)
-    rt = _runtime_for(rec, head, worker, s)
-    rows = [("deployment", rec.get("status", "?") + (f" ({rec['reason']})" if rec.get("reason") else ""))]
-    for rank in ("head", "worker"):
-        info = rec["ranks"].get(rank, {})
-        alive = rt.alive(rank, info) if info else False
-        ident = info.get("container") or f"pid {info.get('pid')}"
-        word = {True: "running", False: "down", None: "unknown (host not answering)"}[alive]
-        rows.append((f"{rank} rank", f"{word} ({ident})"))
-    rows.append(("API /health", "ok" if operate.healthy(s) else "not answering"))
-    rows.append(("endpoint", operate.base_url(s) + "/v1"))
-    worker.close()
-    return rows
+        if not rec:
+            return [("deployment", f"none recorded in {state.path(s.state_dir).parent}; `invoke deploy` starts one")], 1
+        rt = _runtime_for(rec, head, worker, s)
+        health = gate.read(gate.path_for(s.state_dir)) or {}
+        api = operate.health(s)
+        rows = [("deployment", _deployment_row(rec, health, api))]
+        link = worker.reachable()
+        alive = {}
+        for rank in ("head", "worker"):
+            info = rec["ranks"].get(rank, {})
+            alive[rank] = None if rank == "worker" and link else (rt.alive(rank, info) if info else False)
+            ident = info.get("container") or f"pid {info.get('pid')}"
+            word = {True: "running", False: "down", None: "unknown (host not answering)"}[alive[rank]]
+            rows.append((f"{rank} rank", f"{word} ({ident})"))
+        rows.append(("link", f"ok ({s.worker_ip}:{s.ssh_port} answers)" if link is None else f"down ({link})"))
+        watched = rec.get("status") in state.LIVE and head.alive(rec.get("watch_pid") or 0) is True
+        age = time.time() - float(health.get("t") or 0)
+        rows.append(("watchdog", f"running (pid {rec.get('watch_pid')}, last report {age:.0f} s ago)" if watched else
+                     f"not running{' (' + rec['watch_error'] + ')' if rec.get('watch_error') else ''}"))
+        said = api[1] if api[1] != rec.get("reason") else "the reason above"
+        rows.append(("API /health", "ok" if api[0] == 200 else f"HTTP {api[0]}: {said}" if api[0] else api[1]))
+        rows.append(("endpoint", operate.base_url(s) + "/v1"))
+    finally:
+        worker.close()
+    serving = rec.get("status") == "running" and api[0] == 200 and all(alive.values()) and link is None and watched
+    return rows, 0 if serving else 1 if rec.get("status") in ("stopped", "failed") or not any(alive.values()) else 2
 
 
 def logs(flags: dict, worker_rank: bool = False, lines: int = 50) -> str:
-    s, _, head, worker = _setup(flags, False)
-    rec = state.load(s.state_dir)
+    s, head, worker, rec = _recorded(flags)
     rt = _runtime_for(rec, head, worker, s)
     rank = "worker" if worker_rank else "head"
     info = rec["ranks"][rank]
@@ -212,45 +225,81 @@ def memory_summary(flags: dict) -> str:
     each rank's MemAvailable low-water mark and the phase that set it."""
     from twinspark.memory import memlog
 
-    s, _, head, worker = _setup(flags, False)
-    rec = state.load(s.state_dir)
+    s, head, worker, rec = _recorded(flags)
     rt = _runtime_for(rec, head, worker, s)
     records = []
     for rank in ("head", "worker"):
         info = rec["ranks"].get(rank)
         if info:
-            records += memlog.parse(rt.read_log(rank, info, 0, rt.log_size(rank, info)))
+            start = int(info.get("log_offset", 0))  # this deployment's lines only
+            records += memlog.parse(rt.read_log(rank, info, start, max(0, rt.log_size(rank, info) - start)))
     worker.close()
     return memlog.format_summary(memlog.summarize(records))
 
 
 def stop(flags: dict, dry_run: bool = False) -> str:
-    s, _, head, worker = _setup(flags, dry_run)
-    rec = state.load(s.state_dir, required=False)
+    s, head, worker, rec = _recorded(flags, dry_run, required=False)
     if not rec:
         return "nothing recorded as running"
     rt = _runtime_for(rec, head, worker, s)
     if rec.get("watch_pid") and not dry_run:
         head.kill_group(rec["watch_pid"], grace_s=2)
+    left = []
     for rank, pid in (rec.get("memguard") or {}).items():
-        (head if rank == "head" else worker).kill_group(pid, grace_s=2)
+        try:
+            (head if rank == "head" else worker).kill_group(pid, grace_s=2)
+        except DeployError:
+            left.append(f"the {rank}'s memory guard")
     for rank in ("head", "worker"):
         if rank in rec.get("ranks", {}):
             if dry_run:
                 say(f"[dry-run] {rank}: stop {rec['ranks'][rank]}")
-            else:
+                continue
+            try:
                 rt.stop(rank, rec["ranks"][rank])
-    if not dry_run:
-        state.update(s.state_dir, status="stopped")
+            except DeployError as e:
+                say(f"stop {rank}: {e}")
+                left.append(f"the {rank} rank")
+    if dry_run:
+        return "dry-run: nothing was stopped"
+    reason = (f"{' and '.join(left)} could not be stopped ({s.worker_ip} did not answer); run `invoke stop` again "
+              "once it answers") if left else None
+    state.set_status(s.state_dir, "stopped", reason)
+    gate.path_for(s.state_dir).unlink(missing_ok=True)
     worker.close(force=True)
-    return "dry-run: nothing was stopped" if dry_run else "stopped both ranks"
+    if left:
+        raise DeployError(f"Stopped what answered, but {reason}.")
+    return "stopped both ranks"
 
 
-def restart(flags: dict, dry_run: bool = False, skip_sync: bool = False) -> str:
-    say(stop(flags, dry_run))
-    if skip_sync:
-        flags = {**flags, "SKIP_SYNC": True}
-    return deploy(flags, dry_run)
+SKIP_ON_RESTART = ("SKIP_SYNC",)  # one-off choices of a deploy: a restart decides them anew
+
+
+def saved_flags(rec: dict | None) -> dict:
+    """The effective settings a deployment was started with, as flags (the lowest layer of a restart)."""
+    saved = (rec or {}).get("settings") or {}
+    return {k.upper(): v for k, v in saved.items()  # keys of an older schema are left out
+            if v is not None and k in config.Settings.model_fields and k.upper() not in SKIP_ON_RESTART}
+
+
+def restart(flags: dict, dry_run: bool = False, skip_preflight: bool = False) -> str:
+    """Stop, then deploy again with the recorded deployment's settings; flags given now override them. A sync
+    method that does not match the worker's storage is refused before anything is stopped."""
+    s, head, worker, rec = _recorded(flags, dry_run, required=False)
+    merged = {**saved_flags(rec), **flags}
+    try:
+        if rec:
+            say(f"restart: with the settings of the deployment started at {_clock(rec.get('started'))} (RECIPE="
+                f"{s.recipe}, RUNTIME={s.runtime}, SYNC={s.sync}{', SKIP_SYNC' if s.skip_sync else ''}); flags given "
+                "now override them")
+        if not s.skip_sync:
+            problem = _sync_plugin(s, head, worker).storage_problem()
+            if problem:
+                raise DeployError(f"Refusing to restart: {problem}; nothing was stopped.")
+    finally:
+        worker.close()
+    say(stop(merged, dry_run))
+    return deploy(merged, dry_run, skip_preflight=skip_preflight)
 
 
 def quote_flags(flags: dict) -> str:

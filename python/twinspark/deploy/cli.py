@@ -1,11 +1,13 @@
 """Glue for tasks.py: turn task flags into the highest-precedence config layer and user errors into one line.
 Contract: `flags(recipe, sets, **named)` -> {KEY: value}; `call(fn, *a, **kw)` runs fn and maps DeployError to
-invoke's Exit (exit code 1, the sentence only, no traceback)."""
+invoke's Exit (exit code 1, the sentence only, no traceback); Ctrl-C ends with one line saying what state was left
+and how to resume (exit code 130)."""
 
 from __future__ import annotations
 
 from invoke import Exit
 
+from twinspark.deploy import progress
 from twinspark.deploy.errors import DeployError
 
 COMMON_HELP = {
@@ -32,9 +34,12 @@ def flags(recipe: str | None, sets: list[str] | None, **named) -> dict:
 
 def call(fn, *a, **kw):
     try:
-        return fn(*a, **kw)
+        with progress.watch_interrupts():
+            return fn(*a, **kw)
     except DeployError as e:
-        raise Exit(str(e), code=1) from None
+        raise Exit(str(e), code=getattr(e, "code", 1)) from None
+    except KeyboardInterrupt:  # outside any step
+        raise Exit("Interrupted (Ctrl-C); `invoke status` shows what runs.", code=130) from None
 
 
 def table(rows) -> str:

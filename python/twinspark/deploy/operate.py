@@ -1,6 +1,8 @@
-"""Boot supervision and the operate commands. Contract: `wait_ready(ctx)` returns when /health answers 200 and
-raises DeployError (after stopping both ranks) when a rank exits, when a rank writes no new log line for
-SILENCE_S seconds (py-spy stacks of both ranks are saved into LOG_DIR first), or at HEALTH_TIMEOUT_S."""
+"""Boot supervision (run by the watchdog, twinspark.deploy.watch). Contract: `boot_round(ctx, t0)` is one round:
+the boot time when /health answers 200, None while booting; DeployError (after stopping both ranks) when a rank
+exits, when a rank writes no new log line for SILENCE_S seconds (py-spy stacks of both ranks are saved into LOG_DIR
+first), or at HEALTH_TIMEOUT_S. Each round reads the ranks' new log lines, and `ctx.phase[rank]` says which boot
+phase the newest of them shows (`phase_of`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,23 @@ from twinspark.deploy.hosts import say
 PERIODIC = re.compile(r"GET /health|GET /metrics|Avg prompt throughput|Avg generation throughput|"
                       r"KV cache usage|Waiting for .* to connect|Waiting for init message")
 POLL_S = 2.0
+# Boot phases in the order vLLM goes through them (CUDA and CPU builds; the plugin's memory lines too): a rank's
+# phase is the furthest one its log has shown.
+PHASES = (
+    (re.compile(r"non-default args|Resolved architecture|Launching vLLM .*headless"), "reading the model config"),
+    (re.compile(r"Initializing a V1 LLM engine|DP group leader|OpenMP thread binding"), "starting the engine"),
+    (re.compile(r"distributed_init_method|init_process_group|TCPStore|Waiting for .* to connect"),
+     "joining the other rank (torch.distributed)"),
+    (re.compile(r"Starting to load model|Loading safetensors|Loading weights(?! took)|Loading model"),
+     "loading weights"),
+    (re.compile(r"Loading weights took|Model loading took|\"phase\": \"weights_loaded\""), "weights loaded"),
+    (re.compile(r"KV cache|Memory profiling|\"phase\": \"profiled\""), "profiling memory, allocating the KV cache"),
+    (re.compile(r"Compiling a graph|torch\.compile takes|Dynamo bytecode transform|Capturing CUDA graph"),
+     "compiling, capturing CUDA graphs"),
+    (re.compile(r"init engine .* took|Graph capturing finished|\"phase\": \"graphs_captured\""),
+     "engine ready"),
+    (re.compile(r"Starting vLLM server|Available routes|Application startup complete"), "starting the API server"),
+)
 
 
 @dataclass
@@ -28,6 +47,23 @@ class Ctx:
     api_key: str | None = None
     offsets: dict = field(default_factory=dict)
     last_line: dict = field(default_factory=dict)
+    phase: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # a rank's log may hold earlier deployments' lines (process runtime: appended): read from where this one began
+        for rank, info in self.infos.items():
+            self.offsets.setdefault(rank, int(info.get("log_offset", 0)))
+
+
+def phase_of(text: str, current: str = "") -> str:
+    """The furthest boot phase that `text` (new log lines) shows, never going back behind `current`."""
+    labels = [label for _, label in PHASES]
+    best = labels.index(current) if current in labels else -1
+    for line in text.splitlines():
+        for i, (rx, _) in enumerate(PHASES):
+            if i > best and rx.search(line):
+                best = i
+    return labels[best] if best >= 0 else current
 
 
 def base_url(s) -> str:
@@ -35,11 +71,21 @@ def base_url(s) -> str:
     return f"http://{host}:{s.api_port}"
 
 
-def healthy(s, timeout: float = 2.0) -> bool:
+def health(s, timeout: float = 2.0) -> tuple[int | None, str]:
+    """(HTTP status of the head's /health or None when it does not answer, the gate's sentence on a 503)."""
     try:
-        return httpx.get(base_url(s) + "/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
+        r = httpx.get(base_url(s) + "/health", timeout=timeout)
+    except httpx.HTTPError as e:
+        return None, f"not answering ({type(e).__name__})"
+    try:
+        message = r.json()["error"]["message"] if r.status_code != 200 else ""
+    except (ValueError, KeyError, TypeError):
+        message = r.text[:200]
+    return r.status_code, message
+
+
+def healthy(s, timeout: float = 2.0) -> bool:
+    return health(s, timeout)[0] == 200
 
 
 def _tail(ctx: Ctx, rank: str, n: int = 5) -> str:
@@ -84,6 +130,7 @@ def _progress(ctx: Ctx, rank: str, now: float) -> None:
     if size > off:
         new = ctx.rt.read_log(rank, info, off, size - off)
         ctx.offsets[rank] = size
+        ctx.phase[rank] = phase_of(new, ctx.phase.get(rank, ""))
         if any(line.strip() and not PERIODIC.search(line) for line in new.splitlines()):
             ctx.last_line[rank] = now
 
@@ -106,15 +153,15 @@ def check_once(ctx: Ctx, now: float) -> None:
                               f"Python stacks of both ranks are in {', '.join(map(str, files))}; the boot was stopped.")
 
 
-def wait_ready(ctx: Ctx) -> float:
-    t0 = time.monotonic()
-    deadline = t0 + ctx.s.health_timeout_s
-    while time.monotonic() < deadline:
-        if healthy(ctx.s):
-            return time.monotonic() - t0
-        check_once(ctx, time.monotonic())
-        time.sleep(POLL_S)
-    files = collect_stacks(ctx)
-    stop_ranks(ctx)
-    raise DeployError(f"/health did not answer within HEALTH_TIMEOUT_S={ctx.s.health_timeout_s} s; stacks are in "
-                      f"{', '.join(map(str, files))}; raise the timeout or read the logs.")
+def boot_round(ctx: Ctx, t0: float) -> float | None:
+    """One round of the boot wait that began at monotonic time t0."""
+    now = time.monotonic()
+    if healthy(ctx.s):
+        return now - t0
+    check_once(ctx, now)
+    if now - t0 > ctx.s.health_timeout_s:
+        files = collect_stacks(ctx)
+        stop_ranks(ctx)
+        raise DeployError(f"/health did not answer within HEALTH_TIMEOUT_S={ctx.s.health_timeout_s} s; stacks are in "
+                          f"{', '.join(map(str, files))}; the boot was stopped: raise the timeout or read the logs.")
+    return None

@@ -11,6 +11,7 @@ from twinspark.deploy.errors import DeployError
 from twinspark.fileio import atomic_write
 
 FILE = "deployment.json"
+LIVE = ("booting", "running", "split")  # statuses of a deployment whose ranks should run (failed, stopped: not)
 
 
 def path(state_dir: Path) -> Path:
@@ -35,3 +36,8 @@ def update(state_dir: Path, **kw) -> dict:
     d.update(kw)
     save(state_dir, d)
     return d
+
+
+def set_status(state_dir: Path, status: str, reason: str | None = None, **kw) -> dict:
+    """A new status with its own reason (None clears it): a later status never shows an earlier failure's reason."""
+    return update(state_dir, status=status, reason=reason, **kw)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import shlex
 
+from twinspark.deploy import gate
 from twinspark.deploy.config import Settings
 
 RANK_INDEX = {"head": 0, "worker": 1}
+GATE = "twinspark.deploy.gate.Gate"
 
 
 def generation_override(s: Settings) -> dict:
@@ -37,8 +39,8 @@ def vllm_argv(s: Settings, rank: str, model_dir: str) -> list[str]:
         a += ["--nnodes", "2", "--node-rank", str(idx), "--master-addr", s.head_ip, "--master-port", str(s.master_port)]
     if rank == "worker":
         a.append("--headless")
-    else:
-        a += ["--host", s.api_host, "--port", str(s.api_port)]
+    else:  # the health gate (twinspark.deploy.gate): /health that means serving, requests refused on a split
+        a += ["--host", s.api_host, "--port", str(s.api_port), "--middleware", GATE]
     if s.kv_cache_bytes:
         a += ["--kv-cache-memory-bytes", str(s.kv_cache_bytes)]
     if s.spec_method != "none":
@@ -66,6 +68,8 @@ def rank_env(s: Settings, rank: str) -> dict[str, str]:
         else (s.worker_ip, s.worker_ifname, s.worker_hcas, s.worker_gid_index)
     )
     env = {"VLLM_HOST_IP": ip, "PYTHONUNBUFFERED": "1"}
+    if rank == "head":
+        env[gate.ENV] = str(gate.path_for(s.state_dir))
     if ifname:
         env |= {"NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
     if hcas:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from twinspark.deploy import gate
 from twinspark.deploy.errors import DeployError
 from twinspark.deploy.hosts import say
 from twinspark.deploy.runtime import host_of
@@ -36,6 +37,9 @@ class DockerRuntime:
              "--oom-score-adj", "1000", "--cap-add", "IPC_LOCK",
              "--env-file", env_file, "-v", f"{model}:{model}:ro",
              "--label", "org.twinspark.rank=" + rank]
+        if rank == "head":  # the watchdog's health file, read by the API server's gate
+            health = str(gate.path_for(s.state_dir).parent)
+            a += ["-v", f"{health}:{health}:ro"]
         if s.docker_memlock:
             a += ["--ulimit", f"memlock={s.docker_memlock}"]
         if has_ib:

@@ -25,8 +25,9 @@ class ProcessRuntime:
         # `vllm serve` semantics (honours --headless); see twinspark.deploy.vllm_serve.
         argv[1:3] = ["-m", "twinspark.deploy.vllm_serve"]
         log = self.log_path(rank)
+        offset = 0 if host.dry_run else remote_log_size(host, log)  # the log is appended to: where this run begins
         pid = host.spawn(argv, env=env, log=log, secret_env=secret_env if rank == "head" else None)
-        return {"pid": pid, "log": str(log)}
+        return {"pid": pid, "log": str(log), "log_offset": offset}
 
     def alive(self, rank: str, info: dict) -> bool | None:
         return host_of(self, rank).alive(info.get("pid", 0))
