@@ -107,22 +107,40 @@ def restart(c, recipe=None, set=None, sync=None, runtime=None, skip_sync=False, 
 
 
 @task(help={
-    "source": "directory of the original checkpoint's Engram shards (47, 48 and model.safetensors.index.json)",
-    "out": "directory on the node's local disk for the pack files",
-    "config": "JSON with engram_head_sizes (default: <source>/config.json)",
+    "source": "directory of the original checkpoint's Engram shards (47, 48 and model.safetensors.index.json; "
+              "default: ENGRAM_DIR of the deploy config)",
+    "out": "directory on the node's local disk for the pack files (default: ENGRAM_PACK_DIR)",
+    "config": "the model's config.json (V4.1's Engram fields) or a JSON with engram_head_sizes "
+              "(default: <source>/config.json)",
     "rank": "tensor-parallel rank whose rows to pack (default 0)",
     "world": "tensor-parallel size (default 2)",
     "layers": "comma-separated Engram layers (default 1,14)",
+    "recipe": _COMMON_HELP["recipe"],
     "dry_run": "print what would be done, change nothing",
 })
-def pack(c, source, out, config=None, rank=0, world=2, layers="1,14", dry_run=False):
+def pack(c, source=None, out=None, config=None, rank=0, world=2, layers="1,14", recipe=None, dry_run=False):
     """Copy each rank's Engram row range into one local file per layer (resumes; skips files up to date)."""
     from twinspark.engram import EngramError
     from twinspark.engram.pack import pack_command
 
+    if source is None or out is None:
+        from twinspark.deploy import config as deploy_config
+
+        _, cli = _d()
+        s, _ = cli.call(deploy_config.load, cli.flags(recipe, None))
+        source = source or s.engram_folder
+        out = out or s.engram_pack_dir
+        if out is None:
+            raise Exit("invoke pack: no --out and no ENGRAM_PACK_DIR in the deploy config; pass --out DIR (a folder "
+                       "on this node's local disk) or set ENGRAM_PACK_DIR", code=1)
     try:
-        pack_command(source, out, config=config, rank=int(rank), world=int(world),
-                     layers=[int(x) for x in str(layers).split(",") if x.strip()], dry_run=dry_run)
+        layer_ids = [int(x) for x in str(layers).split(",") if x.strip()]
+    except ValueError:
+        raise Exit(f"invoke pack: --layers must be comma-separated layer numbers like 1,14, got {layers!r}",
+                   code=1) from None
+    try:
+        pack_command(source, out, config=config, rank=int(rank), world=int(world), layers=layer_ids,
+                     dry_run=dry_run)
     except EngramError as exc:
         raise Exit(str(exc), code=1) from None
 

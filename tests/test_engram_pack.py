@@ -222,3 +222,28 @@ def test_invoke_pack(ckpt, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert "cannot read Engram config" in bad.stderr and "pass --config" in bad.stderr
+
+
+def test_invoke_pack_takes_its_folders_from_the_deploy_config(tmp_path):
+    """`invoke pack --rank 1` with ENGRAM_DIR / ENGRAM_PACK_DIR from the deploy config (here the environment) packs
+    that rank's rows of every layer named, from a DeepSeek V4.1 config's own Engram fields."""
+    from twinspark.engram.pack import read_pack_header
+    from twinspark.tiny_v41 import config_json, write_engram_tables
+    from twinspark.v41_layout import V41Spec
+
+    spec = V41Spec.tiny()
+    write_engram_tables(tmp_path / "engram", spec, config_json(spec, None), seed=0)
+    env = {**os.environ, "ENGRAM_DIR": str(tmp_path / "engram"), "ENGRAM_PACK_DIR": str(tmp_path / "packs"),
+           "TWINSPARK_ENV_FILE": "", "PYTHONPATH": os.pathsep.join(sys.path)}
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "invoke", "pack", "--rank", "1", "--world", "2", "--layers", "1,3"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    sizes = spec.engram_head_sizes()
+    for layer in (1, 3):
+        h = read_pack_header(tmp_path / "packs" / f"engram-layer{layer:02d}-rank1of2.tspack")
+        assert (h.first_row, h.last_row + 1, h.table_rows) == (sum(sizes[layer][:3]), sum(sizes[layer]),
+                                                               sum(sizes[layer]))
+    bad = subprocess.run([sys.executable, "-m", "invoke", "pack", "--layers", "1,x"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr and "--layers must be" in bad.stderr

@@ -189,3 +189,28 @@ def test_own_api_key_is_taken_and_never_shown(tmp_path):
         config.load({"API_KEY": "short secret"}, env_file=None)
     assert "short secret" not in str(e.value)
     assert str(e.value).startswith("API_KEY=(your key, not shown) (from flag) is invalid: must be generate, off, or")
+
+
+def test_engram_settings_reach_both_ranks_and_invoke_config(tmp_path):
+    """The V4.1 recipe's Engram settings (ENGRAM_DIR apart from MODEL_DIR, the pack folder, cache, threads, queue
+    depth) reach the vLLM processes of both ranks as the plugin's TWINSPARK_ENGRAM_* variables, and the docker
+    runtime mounts both folders read-only; `invoke config` lists them with their defaults."""
+    from twinspark.deploy.runtime.docker import DockerRuntime
+
+    s, where = config.load({"RECIPE": "exl3-2.9bpw", "ENGRAM_QUEUE_DEPTH": "64"}, env_file=None)
+    assert s.engram_folder == Path("models/DeepSeek-V4.1-Flash-engram") and s.engram_folder != s.model_dir
+    for rank in ("head", "worker"):
+        env = rank_env(s, rank)
+        assert env["TWINSPARK_ENGRAM_DIR"] == str(s.engram_folder.resolve())
+        assert env["TWINSPARK_ENGRAM_PACK_DIR"] == str(Path("models/engram-packs").resolve())
+        assert (env["TWINSPARK_ENGRAM_QUEUE_DEPTH"], env["TWINSPARK_ENGRAM_THREADS"],
+                env["TWINSPARK_ENGRAM_CACHE_GIB"]) == ("64", "16", "0.0")
+    argv = " ".join(DockerRuntime(s, None, None).run_argv("worker", "/x.env", False))
+    for d in (s.engram_folder.resolve(), Path("models/engram-packs").resolve()):
+        assert f"-v {d}:{d}:ro" in argv
+    rows = {r[0]: r[1:] for r in config.describe(where, s)}
+    assert rows["ENGRAM_CACHE_GIB"] == ("0.0", "default") and rows["ENGRAM_QUEUE_DEPTH"] == ("64", "flag")
+    with pytest.raises(DeployError, match="ENGRAM_THREADS"):
+        config.load({"ENGRAM_THREADS": "0"}, env_file=None)
+    tiny, _ = config.load({"RECIPE": "tiny-cpu"}, env_file=None)
+    assert "-engram" not in " ".join(DockerRuntime(tiny, None, None).run_argv("head", "/x.env", False))

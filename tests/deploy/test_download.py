@@ -1,8 +1,8 @@
 """Download through the real huggingface_hub client against a hub-compatible server on loopback (HF_ENDPOINT):
-full repo + only the Engram files of the original repo, a dropped connection then a re-run that fetches only the
-missing files, a download killed part way through a large shard then a re-run that fetches only the rest of it
-(server-side byte count), a corrupt partial refused, .partNN reassembly with the sha256 manifest, ENGRAM_DIR
-reuse."""
+full repo + only the Engram files of the original repo (into ENGRAM_DIR, leaving the pack's index intact), a
+dropped connection then a re-run that fetches only the missing files, a download killed part way through a large
+shard then a re-run that fetches only the rest of it (server-side byte count), a corrupt partial refused, .partNN
+reassembly with the sha256 manifest, an ENGRAM_DIR that already holds the files."""
 
 from __future__ import annotations
 
@@ -27,19 +27,20 @@ def repos(tmp_path):
     exl3.mkdir(parents=True)
     orig.mkdir(parents=True)
     (exl3 / "config.json").write_text("{}")
+    (exl3 / "model.safetensors.index.json").write_text('{"weight_map": {"head.trellis": "pack"}}')
     shard = os.urandom(3 << 20)
     (exl3 / "model-00001-of-00001.safetensors.part00").write_bytes(shard[: 2 << 20])
     (exl3 / "model-00001-of-00001.safetensors.part01").write_bytes(shard[2 << 20:])
     (exl3 / "SHA256SUMS").write_text(f"{hashlib.sha256(shard).hexdigest()}  model-00001-of-00001.safetensors\n")
     for n in ("model-00047-of-00048.safetensors", "model-00048-of-00048.safetensors", "model-00001-of-00048.safetensors"):
         (orig / n).write_bytes(os.urandom(1 << 20))
-    (orig / "model.safetensors.index.json").write_text("{}")
+    (orig / "model.safetensors.index.json").write_text('{"weight_map": {"layers.1.engram.embed.weight": "orig"}}')
     return {"org/exl3": exl3, "org/orig": orig}, shard
 
 
 def _settings(tmp_path, **kw):
     s, _ = config.load({"MODEL_DIR": str(tmp_path / "model"), "HF_REPO": "org/exl3", "HF_ENGRAM_REPO": "org/orig",
-                        "ENGRAM_FILES": "model-00047-of-00048.safetensors model-00048-of-00048.safetensors "
+                        "ENGRAM_FILES": "model-00047-of-*.safetensors model-00048-of-*.safetensors "
                                         "model.safetensors.index.json", **kw}, env_file=None)
     return s
 
@@ -56,7 +57,7 @@ def test_download_resume_reassembly_and_engram_subset(tmp_path, monkeypatch, rep
         first_run = len(hub.ranges)
         del hub.cut[name]  # the link is back
         out = download.fetch(s)
-        assert "3 Engram file(s) from org/orig" in out
+        assert "3 Engram file(s) from org/orig" in out and str(tmp_path / "model-engram") in out
         again = {n for n, _ in hub.ranges[first_run:]}
         # The re-run fetches only what was missing: finished files are kept (huggingface_hub resumes per file).
         assert name in again and not again & {"config.json", "model-00047-of-00048.safetensors",
@@ -65,12 +66,17 @@ def test_download_resume_reassembly_and_engram_subset(tmp_path, monkeypatch, rep
         download.fetch(s)  # a later deploy: the joined shard stays, its parts are not fetched again
         third = {n for n, _ in hub.ranges[second_run:]}
         assert not {n for n in third if ".part" in n}, third
-    d = tmp_path / "model"
+    d, e = tmp_path / "model", tmp_path / "model-engram"  # MODEL_DIR and the default ENGRAM_DIR
     assert (d / "model-00001-of-00001.safetensors").read_bytes() == shard
     assert not list(d.glob("*.part*")), "parts must be removed after joining"
-    assert not (d / "model-00001-of-00048.safetensors").exists(), "only the Engram files come from the original"
-    assert (d / "model-00048-of-00048.safetensors").read_bytes() == (repo_dirs["org/orig"] /
+    assert not (e / "model-00001-of-00048.safetensors").exists(), "only the Engram files come from the original"
+    assert (e / "model-00048-of-00048.safetensors").read_bytes() == (repo_dirs["org/orig"] /
                                                                       "model-00048-of-00048.safetensors").read_bytes()
+    # the EXL3 pack's index is the pack's; the original's lives beside its own shards
+    for folder, repo in ((d, "org/exl3"), (e, "org/orig")):
+        assert (folder / "model.safetensors.index.json").read_text() == (
+            repo_dirs[repo] / "model.safetensors.index.json").read_text()
+    assert not list(d.glob("model-0004[78]-*")), "no Engram shard in MODEL_DIR"
 
 
 def test_manifest_mismatch_is_refused(tmp_path):
@@ -90,10 +96,11 @@ def test_engram_dir_is_reused_without_download(tmp_path, monkeypatch, repos):
     repo_dirs, _ = repos
     with Hub(repo_dirs) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        s = _settings(tmp_path, ENGRAM_DIR=str(repo_dirs["org/orig"]))
+        s = _settings(tmp_path, ENGRAM_DIR=str(repo_dirs["org/orig"]))  # a full copy of the original already here
         out = download.fetch(s)
-        assert "Engram files linked from" in out
+        assert f"Engram files already in {repo_dirs['org/orig']}" in out
         assert not [n for n, _ in hub.ranges if "00048" in n]
+    assert not list((tmp_path / "model").glob("model-0004[78]-*"))
 
 
 def test_killed_download_resumes_mid_file(tmp_path, monkeypatch):

@@ -48,8 +48,15 @@ class Settings(BaseSettings):
     served_model_name: str = Field("twinspark", description="model id the API serves")
     hf_repo: str = Field("", description="Hugging Face repo of the (EXL3) weights; empty: no download")
     hf_engram_repo: str = Field("", description="original repo: only Engram shards + index are fetched from it")
-    engram_files: str = Field("", description="space-separated file names fetched from HF_ENGRAM_REPO")
-    engram_dir: Path | None = Field(None, description="reuse an existing full copy holding the Engram shards")
+    engram_files: str = Field("", description="space-separated file names or globs fetched from HF_ENGRAM_REPO")
+    engram_dir: Path | None = Field(None, description="the original model's Engram shards 47/48 and their index, "
+                                    "on every node (downloaded there, never into MODEL_DIR; an existing full copy "
+                                    "works as is); default: MODEL_DIR + '-engram'")
+    engram_pack_dir: Path | None = Field(None, description="per-rank Engram pack files (`invoke pack`) on each node's "
+                                         "local disk; empty: rows are read from ENGRAM_DIR's shards")
+    engram_cache_gib: float = Field(0.0, ge=0, description="RAM cache of Engram rows per table (rows show ~0% reuse)")
+    engram_threads: int = Field(16, ge=1, le=1024, description="I/O threads per Engram table")
+    engram_queue_depth: int = Field(32, ge=1, le=1024, description="Engram reads in flight per I/O thread")
     auto_download: bool = Field(False, description="download missing weights before deploying")
     # --- hosts
     head_ip: str = Field("127.0.0.1", description="head address on the fabric (must be local)")
@@ -174,7 +181,8 @@ class Settings(BaseSettings):
             raise ValueError("must not be empty")
         return v
 
-    @field_validator("worker_model_dir", "engram_dir", "ssh_key", "worker_state_dir", mode="before")
+    @field_validator("worker_model_dir", "engram_dir", "engram_pack_dir", "ssh_key", "worker_state_dir",
+                     mode="before")
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
         return None if isinstance(v, str) and not v.strip() else v  # `KEY=` in .env: the default (None)
@@ -267,7 +275,7 @@ class Settings(BaseSettings):
             raise ValueError("must be 1 or 2 (one rank per node, two nodes)")
         return v
 
-    @field_validator("memguard_min_gib", "boot_margin_gib", "release_below_gib")
+    @field_validator("memguard_min_gib", "boot_margin_gib", "release_below_gib", "engram_cache_gib")
     @classmethod
     def _gib(cls, v: float) -> float:
         if not math.isfinite(v) or v < 0:
@@ -304,6 +312,21 @@ class Settings(BaseSettings):
     @property
     def worker_dir(self) -> Path:
         return self.worker_model_dir or self.model_dir
+
+    @property
+    def engram_folder(self) -> Path:
+        """Where the original model's Engram shards live (ENGRAM_DIR, default MODEL_DIR + '-engram')."""
+        return self.engram_dir or self.model_dir.with_name(self.model_dir.name + "-engram")
+
+    def engram_env(self) -> dict[str, str]:
+        """The Engram store's settings for the vLLM processes (read by twinspark.vllm_plugin.engram)."""
+        env = {"TWINSPARK_ENGRAM_DIR": str(self.engram_folder.resolve()),
+               "TWINSPARK_ENGRAM_CACHE_GIB": str(self.engram_cache_gib),
+               "TWINSPARK_ENGRAM_THREADS": str(self.engram_threads),
+               "TWINSPARK_ENGRAM_QUEUE_DEPTH": str(self.engram_queue_depth)}
+        if self.engram_pack_dir is not None:
+            env["TWINSPARK_ENGRAM_PACK_DIR"] = str(self.engram_pack_dir.resolve())
+        return env
 
     @property
     def ranks(self) -> tuple[str, str]:

@@ -1,7 +1,8 @@
 """Weights download with huggingface_hub. Contract: `fetch(s)` -> summary line; raises DeployError.
 
 HF_REPO (the EXL3 pack) goes into MODEL_DIR in full; from HF_ENGRAM_REPO only ENGRAM_FILES (Engram shards and
-the index), unless ENGRAM_DIR already holds them (then they are hard-linked, or copied across file systems).
+their index; names or globs) into ENGRAM_DIR, never into MODEL_DIR (the original's index would replace the pack's),
+unless ENGRAM_DIR already holds them.
 Resumable: files of RESUME_MIN bytes or more (the shards) are fetched first by `hubget`, whose partial file survives
 an interrupted run and is continued with an HTTP Range request (huggingface_hub 2.x itself drops a partial file, so
 a cut-off shard would start again from byte 0); then `snapshot_download` fetches the rest and skips what is
@@ -12,6 +13,7 @@ loopback server)."""
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import re
@@ -126,37 +128,33 @@ def reassemble(d: Path) -> list[str]:
     return done
 
 
-def _reuse_engram(src: Path, dest: Path, names: list[str]) -> bool:
-    if not all((src / n).is_file() for n in names):
-        return False
-    for n in names:
-        t = dest / n
-        if t.exists():
-            continue
-        try:
-            os.link(src / n, t)
-        except OSError:
-            shutil.copy2(src / n, t)
-    return True
+def _present(d: Path, patterns: list[str]) -> bool:
+    """Every name or glob in `patterns` matches a file in folder `d`."""
+    names = [p.name for p in d.iterdir() if p.is_file()] if d.is_dir() else []
+    return all(fnmatch.filter(names, pat) for pat in patterns)
 
 
 def fetch(s, dry_run: bool = False) -> str:
-    dest = Path(s.model_dir)
+    """HF_REPO in full into MODEL_DIR; ENGRAM_FILES of HF_ENGRAM_REPO into ENGRAM_DIR (its own folder: the
+    original's model.safetensors.index.json never lands beside the EXL3 pack's), unless ENGRAM_DIR holds them."""
+    dest, edest = Path(s.model_dir), Path(s.engram_folder)
     names = s.engram_files.split()
     if dry_run:
-        return f"download: would fetch {s.hf_repo or '(no HF_REPO)'} and {len(names)} Engram file(s) into {dest}"
+        return (f"download: would fetch {s.hf_repo or '(no HF_REPO)'} into {dest} and {len(names)} Engram file(s) "
+                f"into {edest}")
     dest.mkdir(parents=True, exist_ok=True)
     did = []
     if s.hf_repo:
         _snapshot(s.hf_repo, dest)
-        did.append(s.hf_repo)
+        did.append(f"{s.hf_repo} in {dest}")
     if s.hf_engram_repo and names:
-        if s.engram_dir and _reuse_engram(Path(s.engram_dir), dest, names):
-            did.append(f"Engram files linked from {s.engram_dir}")
+        if _present(edest, names):
+            did.append(f"Engram files already in {edest}")
         else:
-            _snapshot(s.hf_engram_repo, dest, allow=names)
-            did.append(f"{len(names)} Engram file(s) from {s.hf_engram_repo}")
-    joined = reassemble(dest)
+            edest.mkdir(parents=True, exist_ok=True)
+            _snapshot(s.hf_engram_repo, edest, allow=names)
+            did.append(f"{len(names)} Engram file(s) from {s.hf_engram_repo} in {edest}")
+    joined = reassemble(dest) + (reassemble(edest) if edest.is_dir() else [])
     if joined:
         say(f"download: joined and verified {', '.join(joined)}")
-    return f"download: {'; '.join(did) or 'nothing to fetch'} in {dest}"
+    return f"download: {'; '.join(did) or 'nothing to fetch'}"

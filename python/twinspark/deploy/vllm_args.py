@@ -79,4 +79,5 @@ def rank_env(s: Settings, rank: str) -> dict[str, str]:
     env |= {"TWINSPARK_DROP_PAGE_CACHE": "1" if s.drop_page_cache else "0", "TWINSPARK_MODEL_DIR": str(model_dir),
             "TWINSPARK_RELEASE_TOKENS": str(s.release_tokens), "TWINSPARK_RELEASE_BELOW_GIB": str(s.release_below_gib),
             "TWINSPARK_LONG_PREFILL_TOKENS": str(s.long_prefill_tokens)}
+    env |= s.engram_env()  # DeepSeek V4.1's Engram tables (the same paths on both nodes)
     return env | s.vllm_env | (s.head_env if rank == "head" else s.worker_env)

@@ -40,6 +40,9 @@ class DockerRuntime:
         if rank == "head":  # the watchdog's health file, read by the API server's gate
             health = str(gate.path_for(s.state_dir).parent)
             a += ["-v", f"{health}:{health}:ro"]
+        if s.hf_engram_repo or s.engram_dir or s.engram_pack_dir:  # Engram tables, read by the plugin's store
+            for d in dict.fromkeys(filter(None, (s.engram_folder, s.engram_pack_dir))):
+                a += ["-v", f"{d.resolve()}:{d.resolve()}:ro"]
         if s.docker_memlock:
             a += ["--ulimit", f"memlock={s.docker_memlock}"]
         if has_ib:
