@@ -1,6 +1,7 @@
 """twinspark.ops.exl3_gemm: one EXL3 linear layer, y = x @ W + bias with W = diag(suh)·Hk·W_hat·Hn·diag(svh).
 
-Kernel variants (the one table is `plan`; cuda/exl3_gemm/README.md says why each exists):
+Kernel variants (the one table is `plan`; cuda/exl3_gemm/DESIGN.md says why each exists;
+measurements cited as "NOTES.md vN" are in git: `git show 1fc0a13:cuda/exl3_gemm/NOTES.md`):
 - ``small`` (m <= LARGE_M): decode the trellis in registers straight into mma.sync fragments, split k across
   blocks, reduce in an fp32 per-stream workspace; suh, both Hadamard transforms, svh and bias fused. Tokens go
   in slices of 64 per launch.

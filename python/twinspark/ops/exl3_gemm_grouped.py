@@ -14,7 +14,7 @@ launch has G times one matrix's blocks, so it gets the split-k that one launch o
   own ([G, 64, n] and [G, n/128]), zero between calls (the kernel clears what it used): graph-safe, no memset.
 - ``fused`` / ``large`` (prefill, m > 64): G calls of ``exl3_gemm``, one per group, each with its own plan (at
   that m one group fills the GPU, and the fused / whole-weight paths beat 64-token slices of the small kernel
-  2-3x: cuda/exl3_gemm/README.md). Half rates (1.5, 2.5, 3.5) also go group by group (exl3_gemm's reference).
+  2-3x: cuda/exl3_gemm/DESIGN.md). Half rates (1.5, 2.5, 3.5) also go group by group (exl3_gemm's reference).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """twinspark.ops.exl3_moe: one routed-expert MoE layer over EXL3 experts (gate/up, SiLU * up, down, weighted sum).
 
+Design and measured limits: cuda/exl3_moe/DESIGN.md. The measurements the comments below cite ("NOTES.md vN",
+``*_h200.log``) are in git: ``git show 1fc0a13:cuda/exl3_moe/NOTES.md``, ``git show 1fc0a13:bench/results/<log>``.
+
 The experts are in the stacked layout of ``twinspark.moe_layout`` (read its docstring). The torch op
 ``twinspark::exl3_moe`` takes plain tensors and has a fake implementation, so vLLM can trace a MoE method's
 ``apply()`` through it; nothing on the traced path reads device data or branches on it.
