@@ -40,8 +40,8 @@ SMS = Param(48, "SMs", "GB10 (shared/docs/deployment.md)")
 CLOCK = Param(2.4e9, "Hz", "assumed SM clock under load (not read from a Spark)")
 H200_SMS = Param(132, "SMs", "H200 (device properties)")
 H200_CLOCK = Param(1.98e9, "Hz", "measured SM clock under back-to-back layers on the H200 (cuda/exl3_moe/DESIGN.md, Measured limits)")
-# mma.sync m16n8k16 f16->f32: one per 6 cycles per sub-partition, 4 sub-partitions (bench/results/
-# git show 1fc0a13:bench/results/mma_rate_probe_h200.log): 4 x 4096 / 6 FLOP per clock per SM
+# mma.sync m16n8k16 f16->f32: one per 6 cycles per sub-partition, 4 sub-partitions (scripts/probe_mma_rate.cu; its
+# log: git show 1fc0a13:bench/results/mma_rate_probe_h200.log): 4 x 4096 / 6 FLOP per clock per SM
 H200_MMA_PER_SM_CLK = Param(4 * 4096 / 6, "FLOP/clk/SM", "measured on the H200 (scripts/probe_mma_rate.cu)")
 GB10_BF16_FLOPS = Param(100e12, "FLOP/s", "assumed bf16 mma with fp32 accumulation: ~1/10 of the 1 PFLOP "
                         "FP4-with-sparsity the product is sold with (not measured on a Spark)")
