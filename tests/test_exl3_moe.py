@@ -441,7 +441,8 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("rates", "codebook"), [(((2, 2, 2),), "mul1"), (((3, 3, 2),), "mcg"),
-                                                 (((2.5, 2.5, 4),), "3inst"), (((4, 4, 3), (4, 4, 2)), "mul1")])
+                                                 (((4, 4, 3),), "3inst"), (((2.5, 2.5, 4),), "mul1"),
+                                                 (((4, 4, 3), (4, 4, 2)), "mul1")])  # half rates: mul1 only
 def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     """Layers whose gate/up (down) matrices share one rate run the 16-row kernels compiled for that rate alone in
     decode (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
