@@ -62,29 +62,29 @@ class Exl3GroupedLinearMethod(LinearMethodBase):
         if missing:
             raise Exl3FormatError(f"tensor {missing[0]}.trellis is missing: {self.prefix} needs one EXL3 matrix per "
                                   f"output group; re-download the shard that holds {missing[0]}")
+        from twinspark.ops.exl3_gemm_grouped import stack_layers
+
         mats = [p.finish() for p in layer.exl3_parts]
-        first = mats[0]
-        for m in mats[1:]:
-            if (m.k, m.n, m.K, m.codebook) != (first.k, first.n, first.K, first.codebook):
-                raise Exl3FormatError(f"tensor {m.name} is {m.k}x{m.n} K={m.K} {m.codebook} but {first.name} is "
-                                      f"{first.k}x{first.n} K={first.K} {first.codebook}: the groups of "
-                                      f"{self.prefix} must share shape, K and codebook; re-quantize the layer")
-        if (first.k, first.n) != (layer.exl3_group_k, layer.exl3_group_n):
-            raise Exl3FormatError(f"tensor {first.name} is {first.k}x{first.n}, but {self.prefix} needs "
+        try:
+            g = stack_layers(mats, name=self.ckpt_prefix)
+        except ValueError as exc:  # names the first group whose K, codebook, k or n differs
+            raise Exl3FormatError(f"{self.prefix}: {exc}; re-quantize the layer") from None
+        if (mats[0].k, mats[0].n) != (layer.exl3_group_k, layer.exl3_group_n):
+            raise Exl3FormatError(f"tensor {mats[0].name} is {mats[0].k}x{mats[0].n}, but {self.prefix} needs "
                                   f"{layer.exl3_group_k}x{layer.exl3_group_n} per group: the checkpoint does not "
                                   f"match config.json")
         for suffix in SUFFIXES:
             del layer._parameters[suffix]
         del layer.exl3_parts
         layer.exl3_decoded = cpu_ops.use_decoded(device)
-        layer.exl3_shape = (first.k, first.n, first.K, first.codebook)
+        layer.exl3_shape = (mats[0].k, mats[0].n, g.K, g.codebook)
         reg = lambda nm, t: layer.register_parameter(nm, Parameter(t.to(device), requires_grad=False))  # noqa: E731
         if layer.exl3_decoded:
             reg("exl3_w_hat", torch.stack([cpu_ops.decode(m.trellis, m.K, m.codebook) for m in mats]))
         else:
-            reg("exl3_trellis", torch.stack([m.trellis for m in mats]))
-        reg("exl3_suh", torch.stack([m.suh for m in mats]))
-        reg("exl3_svh", torch.stack([m.svh for m in mats]))
+            reg("exl3_trellis", g.trellis)
+        reg("exl3_suh", g.suh)
+        reg("exl3_svh", g.svh)
 
     def apply_grouped(self, layer, x: torch.Tensor) -> torch.Tensor:
         """x [T, G_local, k] -> [T, G_local, n] in x's dtype."""
