@@ -16,7 +16,7 @@ Everything else (attention projections, shared and routed experts, Engram ``wkv`
 built by vLLM with the quant config already and reaches Exl3Config as is. Whether each module is EXL3 or dense is
 read from the checkpoint's headers (Exl3Config.maybe_update_config).
 
-Weights are staged through one reusable pinned buffer on the way to a CUDA device (``staged``), so mmapped shard
+Weights are staged through one reusable pinned buffer on the way to a CUDA device (twinspark.staging), so mmapped shard
 pages are never pinned for DMA (GB10 copy-on-writes them otherwise; deepseek-v41.md section 6).
 
 The compressor and indexer input projections run one after another on the current stream (vLLM overlaps them on
@@ -41,9 +41,9 @@ from twinspark.staging import staged
 from twinspark.vllm_plugin.config import Exl3Config
 from twinspark.vllm_plugin.engram import StoreEngram, check_layout
 from twinspark.vllm_plugin.grouped import Exl3GroupedLinearMethod
+from twinspark.vllm_plugin.parts import SUFFIXES
 
-_EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mul1", "mcg")
-_SUFFIX = "(" + "|".join(_EXL3_SUFFIXES) + ")"
+_SUFFIX = "(" + "|".join(SUFFIXES) + ")"
 _SLICE = re.compile(r"\.wo_a\.slice\.(\d+)\.")
 # vLLM's fused modules of V4.1 and the checkpoint linears each packs (its model's packed_modules_mapping)
 PACKED = {"gate_up_proj": ["w1", "w3"], "fused_wqa_wkv": ["wq_a", "wkv"], "fused_wkv_wgate": ["wkv", "wgate"]}
@@ -61,11 +61,10 @@ def homed(model: torch.nn.Module, mapper: WeightsMapper, weights):
     it, instead of vLLM's list of every parameter). A module's home is itself, the fused module vLLM packs it
     into (packed_modules_mapping), or for a routed expert the layer's experts module."""
     modules = {n for n, _ in model.named_modules()}
-    packed = PACKED
 
     def has_home(path: str) -> bool:
         head, _, last = path.rpartition(".")
-        if path in modules or any(last in subs and f"{head}.{fused}" in modules for fused, subs in packed.items()):
+        if path in modules or any(last in subs and f"{head}.{fused}" in modules for fused, subs in PACKED.items()):
             return True
         m = re.match(r"(.*\.experts)\.\d+\.w[123]$", path)
         return bool(m) and m.group(1) in modules
@@ -73,7 +72,7 @@ def homed(model: torch.nn.Module, mapper: WeightsMapper, weights):
     for name, t in weights:
         for out_name, data in mapper.apply([(name, t)]):
             path, _, suffix = out_name.rpartition(".")
-            if suffix in _EXL3_SUFFIXES and not has_home(path):
+            if suffix in SUFFIXES and not has_home(path):
                 raise Exl3FormatError(f"tensor {name} has no home in {type(model).__name__} (it maps to "
                                       f"{out_name}, a module this model does not have): the checkpoint does not "
                                       f"match config.json, or this vLLM version builds the model differently")
