@@ -76,11 +76,20 @@ def _shape_rank(model_dir: str, rank: int, world: int, port: int, out: str) -> N
 
 def run_ranks(model_dir, world: int, tmp_path, timeout: float = 600, target=_rank) -> list[dict]:
     """Run `target` as `world` tensor-parallel ranks (spawned processes, killed after `timeout`)."""
+    import twinspark
+
     ctx, port = mp.get_context("spawn"), _port()
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
     procs = [ctx.Process(target=target, args=(str(model_dir), r, world, port, outs[r])) for r in range(world)]
-    for p in procs:
-        p.start()
+    # The ranks import the twinspark this process imported (a spawned child gets our sys.path, where a module
+    # imported earlier may have put the source tree, which has no compiled _C, ahead of the installed package).
+    saved = sys.path[:]
+    sys.path.insert(0, str(Path(twinspark.__file__).resolve().parents[1]))
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        sys.path[:] = saved
     try:
         for p in procs:
             p.join(timeout)
