@@ -1,6 +1,6 @@
 """All-reduce latency, bf16, 2 ranks, 2 KB .. 2 MB (issue 6). Median µs per call.
 
-GPU part (CUDA events via twinspark.benchkit.time_cuda, calls queued back to back): two virtual ranks on one GPU,
+GPU part (CUDA events via benchkit.time_cuda, calls queued back to back): two virtual ranks on one GPU,
 each call = both ranks' kernels on their own streams; transports: one-shot over "ipc" (peer-flag mode; on one GPU
 the "peer" buffer is the same GPU's memory; target <= 12 µs at 16 KB), the host-memory path with the loopback
 backend (pinned buffers + proxy copy; target <= 40 µs at 16 KB) and with the TCP backend over localhost (report).
@@ -20,8 +20,8 @@ import statistics
 import sys
 import time
 
+import benchkit as bk
 import torch
-from twinspark import benchkit as bk
 
 SIZES = [2 << 10, 8 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]
 TARGET_US = {("ipc", 16 << 10): 12.0, ("host-loopback", 16 << 10): 40.0}

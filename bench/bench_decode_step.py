@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from twinspark import benchkit as bk  # noqa: E402
+import benchkit as bk  # noqa: E402
 from twinspark import gb10  # noqa: E402
 from twinspark.v41_layout import V41Spec  # noqa: E402
 

@@ -7,13 +7,13 @@ at 65,536 rows (torch anchor 163.7 µs). Bytes per row as the anchor counts them
 ids, 8 bytes a row, are left out). The table (1.1 GB) is far larger than L2 and every call gets fresh random ids
 and a fresh output (a ring of >= 256 MB), so the gathers are L2-cold.
 
-    python bench/bench_engram_dequant.py          # writes engram_dequant.json through twinspark.benchkit
+    python bench/bench_engram_dequant.py          # writes engram_dequant.json through benchkit
 """
 
 from __future__ import annotations
 
+import benchkit as bk
 import torch
-from twinspark import benchkit as bk
 from twinspark.ops import engram_dequant, engram_gather
 from twinspark.reference.engram_dequant import e8m0_to_float32
 

@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import benchkit as bk
 import numpy as np
 import torch
-from twinspark import benchkit as bk
 from twinspark.engram import EngramStore, pack, staging_pinned_bytes, synthetic_head_sizes
 from twinspark.engram.pack import HEADER_BYTES
 from twinspark.engram.source import RECORD_BYTES

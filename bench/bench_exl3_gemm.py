@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from twinspark import benchkit as bk  # noqa: E402
+import benchkit as bk  # noqa: E402
 from twinspark.exl3.layer import Exl3Layer, random_layer  # noqa: E402
 from twinspark.ops import exl3_gemm  # noqa: E402
 from twinspark.ops.exl3_gemm import LARGE_M, M_SLICE, fused_available, plan  # noqa: E402

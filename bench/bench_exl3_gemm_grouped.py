@@ -1,7 +1,7 @@
 """Grouped EXL3 GEMM benchmark (`nox -s bench -- exl3_gemm_grouped`): DeepSeek V4.1's wo_a, G groups of
 4096 -> 1024 (G = 4 at TP 2, 8 at TP 1), K = 5 (K = 4: the draft model), mul1, bf16 activations x [m, G, 4096],
 m in {1, 2, 4, 8, 16, 64}. Three ways, each timed eager (CUDA events around back-to-back calls, warm-up, median)
-and as CUDA-graph replay (one graph holding a call per ring entry), weights L2-cold (twinspark.benchkit rotates
+and as CUDA-graph replay (one graph holding a call per ring entry), weights L2-cold (benchkit rotates
 copies over >= 256 MB), random data:
   grouped      exl3_gemm_grouped: one launch for all G groups
   one-by-one   G calls of exl3_gemm (x[:, g] strided, an output per group)
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from twinspark import benchkit as bk  # noqa: E402
+import benchkit as bk  # noqa: E402
 from twinspark.exl3.layer import random_layer  # noqa: E402
 from twinspark.ops import exl3_gemm, exl3_gemm_grouped  # noqa: E402
 from twinspark.ops.exl3_gemm_grouped import Exl3GroupedLayer, stack_layers  # noqa: E402

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from twinspark import benchkit as bk  # noqa: E402
+import benchkit as bk  # noqa: E402
 from twinspark import moe_layout as ml  # noqa: E402
 from twinspark.exl3.reference import hadamard_128  # noqa: E402
 from twinspark.ops import exl3_moe, exl3_reconstruct  # noqa: E402

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from twinspark import benchkit as bk  # noqa: E402
+import benchkit as bk  # noqa: E402
 from twinspark.exl3.format import layer_tensors  # noqa: E402
 from twinspark.exl3.layer import random_layer  # noqa: E402
 from twinspark.staging import staged  # noqa: E402

@@ -6,7 +6,7 @@
     python bench/run.py --report-only   # rebuild report.md/.png from the JSON already in bench/results
 
 Each benchmark runs in its own process with $TWINSPARK_BENCH_OUT set and writes `<op>.json` through
-twinspark.benchkit.write_results. The report (report.md + report.png in the output folder) puts every record
+benchkit.write_results. The report (report.md + report.png in the output folder) puts every record
 next to the device-to-device copy ceiling measured in this run and the upstream H200 anchors
 (bench/anchors_h200.json). Without a CUDA GPU it says so and exits with status 2 (except --list/--report-only).
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))  # a source checkout works without installing
 
-from twinspark import benchkit as bk  # noqa: E402
+import benchkit as bk  # noqa: E402
 from twinspark.fileio import atomic_write  # noqa: E402
 
 
@@ -43,7 +43,9 @@ def discover(bench_dir: Path, names: list[str]) -> list[Path]:
 
 def run_one(path: Path, out_dir: Path, timeout: float) -> tuple[bool, float, str]:
     env = dict(os.environ, TWINSPARK_BENCH_OUT=str(out_dir), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent / "python"), env.get("PYTHONPATH")]))
+    # bench/ for benchkit (also for a benchmark outside it, --bench-dir), python/ for a checkout without installing
+    dirs = [str(HERE), str(HERE.parent / "python"), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, dirs))
     t0 = time.monotonic()
     try:
         p = subprocess.run([sys.executable, str(path)], env=env, timeout=timeout, cwd=HERE.parent)

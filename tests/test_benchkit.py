@@ -1,4 +1,6 @@
-"""benchkit: the pure-Python parts on the CPU; the timing and ceiling parts on a CUDA GPU (skipped elsewhere)."""
+"""bench/benchkit (not in the wheel): statistics, rings, records, results files, anchors and the report on fixed
+inputs, and time_cuda's sampling logic on a fake GPU clock (CPU). What the timings measure on a real GPU (host
+time excluded, event overhead, ceilings) is a benchmark, bench/bench_timing.py, not a test."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from twinspark import benchkit as bk
 
 REPO = Path(__file__).resolve().parents[1]
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (timing with CUDA events)")
+sys.path.insert(0, str(REPO / "bench"))
+import benchkit as bk  # noqa: E402
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/run.py runs on one)")
 
 
 def _anchors_md() -> Path | None:
@@ -169,53 +173,95 @@ def test_gpu_functions_say_no_gpu():
         bk.time_cuda(lambda: None)
     with pytest.raises(bk.BenchError, match="no CUDA GPU"):
         bk.copy_ceiling_gbps()
-    with pytest.raises(bk.BenchError, match="with setup= every call is timed alone"):
-        bk.time_cuda(lambda: None, setup=lambda: None, calls_per_sample=4)
 
 
-# ------------------------------------------------------------------------------------------------- GPU parts
-@pytest.mark.gpu
-@GPU
-def test_time_cuda_measures_gpu_time_and_rotates():
-    x = torch.randn(4096, 4096, device="cuda")
-    small = bk.time_cuda(lambda: x.add_(1.0), warmup=2, iters=5)
-    big = bk.time_cuda(lambda: torch.mm(x, x), warmup=2, iters=5)
-    assert len(small.samples_us) == 5 and all(s > 0 for s in small.samples_us)
-    assert big.median_us > small.median_us  # 137 GFLOP vs 64 MB of elementwise work
-    # Host time between launches is not GPU time: a 2 ms host pause before a tiny kernel must not be counted.
-    tiny = torch.zeros(16, device="cuda")
-    paused = bk.time_cuda(lambda: (time.sleep(0.002), tiny.add_(1.0)), warmup=2, iters=5, calls_per_sample=1)
-    assert paused.median_us < 500, paused
-    # The host gets slower after the warm-up (300 us per call from then on): each sample's GPU sleep follows the
-    # slowest launch time seen, so at most the first sample can catch the host's time.
+# ------------------------------------------------------------------------------------ time_cuda on a fake clock
+class FakeGPU:
+    """torch.cuda as time_cuda uses it, on a fake GPU clock: the timed function advances the clock by its cost in µs;
+    an event reads the clock when recorded."""
+
+    def __init__(self):
+        self.now_us = 0.0
+        self.sleeps: list[int] = []  # cycles of each torch.cuda._sleep, one per sample
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = gpu.now_us
+
+            def elapsed_time(self, end) -> float:  # milliseconds, as torch's
+                return (end.at - self.at) / 1000.0
+
+        self.Event = Event
+
+    def install(self, monkeypatch):
+        for name, value in (("is_available", lambda: True), ("current_device", lambda: 0),
+                            ("synchronize", lambda *a: None), ("current_stream", lambda *a: None),
+                            ("_sleep", self.sleeps.append), ("Event", self.Event)):
+            monkeypatch.setattr(torch.cuda, name, value)
+        return self
+
+    def run(self, us: float) -> None:
+        self.now_us += us
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    return FakeGPU().install(monkeypatch)
+
+
+def test_time_cuda_divides_each_sample_by_its_calls(fake_gpu):
+    t = bk.time_cuda(lambda: fake_gpu.run(5.0), warmup=2, iters=4, calls_per_sample=8)
+    assert t.samples_us == (5.0,) * 4 and fake_gpu.now_us == 5.0 * (2 + 4 * 8)
+    # default without args: 16 back-to-back calls per sample (costs 2, 4, 2, 4, ... µs: 3 µs each on average)
     calls = []
-    slowing = bk.time_cuda(lambda: (calls.append(1), len(calls) > 2 and time.sleep(300e-6), tiny.add_(1.0)),
-                           warmup=2, iters=7, calls_per_sample=16)
-    assert sorted(slowing.samples_us)[-2] < 100, slowing
-    # One event pair per call costs more than a pass of back-to-back calls (event overhead, ~2 us on the H200).
-    zero = bk.time_cuda(lambda: tiny.add_(1.0), iters=7, calls_per_sample=64)
-    one = bk.time_cuda(lambda: tiny.add_(1.0), iters=7, calls_per_sample=1)
-    assert zero.median_us < one.median_us
+    t = bk.time_cuda(lambda: (calls.append(1), fake_gpu.run(2.0 if len(calls) % 2 else 4.0)), warmup=1, iters=3)
+    assert len(calls) == 1 + 3 * 16 and t.samples_us == (3.0,) * 3 and t.median_us == 3.0
+
+
+def test_time_cuda_cycles_the_ring_one_pass_per_sample(fake_gpu):
+    ring = [(1.0, "a"), (2.0, "b"), (6.0, "c")]
     seen = []
-    ring = bk.rotate(lambda: (torch.empty(1 << 20, device="cuda"),), total_bytes=3 << 22)
-    bk.time_cuda(lambda w: seen.append(w.data_ptr()), args=ring, warmup=1, iters=5)
-    ptrs = [a[0].data_ptr() for a in ring]
-    assert seen == [ptrs[i % 3] for i in range(1 + 5 * 3)]  # one warm-up call, then 5 passes over the ring
+    t = bk.time_cuda(lambda us, name: (seen.append(name), fake_gpu.run(us)), args=ring, warmup=1, iters=5)
+    assert seen == [ring[i % 3][1] for i in range(1 + 5 * 3)]  # one warm-up call, then 5 passes over the ring
+    assert t.samples_us == (3.0,) * 5  # every pass is one of each set: (1 + 2 + 6) / 3
+    seen.clear()
+    t = bk.time_cuda(lambda us, name: (seen.append(name), fake_gpu.run(us)), args=[(1.0, "x")] * 100, warmup=0,
+                     iters=2)
+    assert len(seen) == 1 + 2 * 64 and t.samples_us == (1.0, 1.0)  # a sample is at most 64 calls of the ring
+
+
+def test_time_cuda_setup_runs_outside_each_timed_call(fake_gpu):
     order = []
-    bk.time_cuda(lambda: order.append("call"), setup=lambda: order.append("setup"), warmup=1, iters=2)
+    t = bk.time_cuda(lambda: (order.append("call"), fake_gpu.run(7.0)),
+                     setup=lambda: (order.append("setup"), fake_gpu.run(1000.0)), warmup=1, iters=2)
     assert order == ["setup", "call"] * 3
+    assert t.samples_us == (7.0, 7.0)  # the setup's GPU work is before the start event
 
 
-@pytest.mark.gpu
-@GPU
-def test_ceilings_are_plausible():
-    copy = bk.copy_ceiling_gbps()
-    assert 50 < copy < 20_000  # GB10 ~ 250, H200 ~ 4300
-    assert bk.copy_ceiling_gbps() == copy  # cached: one measurement per run
-    dense = bk.bf16_dense_us(1, 5120, 1152)
-    assert 1.0 < dense < 10_000
-    # 11.8 MB of weights cannot be read faster than the whole copy ceiling (read + write counted) allows.
-    assert dense >= bk.gbps(5120 * 1152 * 2, 1.0) / copy * 0.5
+def test_time_cuda_sleep_follows_the_slowest_host_launch(fake_gpu):
+    """Each sample's calls are queued behind a GPU sleep sized from the slowest host launch seen so far: a host that
+    gets slower after the warm-up (here 2 ms per call from the 3rd call on) gets longer sleeps from then on."""
+    calls = []
+    bk.time_cuda(lambda: (calls.append(1), len(calls) > 2 and time.sleep(2e-3), fake_gpu.run(1.0)),
+                 warmup=2, iters=4, calls_per_sample=4)
+    hz = bk.timing._SLEEP_HZ
+    floor = (2 * 4 * 20e-6 + 50e-6) * hz  # the sleep with an instant host
+    assert len(fake_gpu.sleeps) == 4 and fake_gpu.sleeps[0] >= floor
+    assert fake_gpu.sleeps == sorted(fake_gpu.sleeps)  # never shorter than an earlier one
+    assert all(s >= (2 * 4 * (2e-3 + 20e-6) + 50e-6) * hz * 0.999 for s in fake_gpu.sleeps[1:])
+    assert fake_gpu.sleeps[-1] <= 0.5 * hz  # capped at half a second
+
+
+def test_time_cuda_argument_errors():
+    for kw, says in (({"warmup": -1}, "warmup >= 0"), ({"iters": 0}, "iters >= 1"), ({"args": []}, "empty list"),
+                     ({"setup": lambda: None, "calls_per_sample": 4}, "with setup= every call is timed alone")):
+        with pytest.raises(bk.BenchError, match=says):
+            bk.time_cuda(lambda *a: None, **kw)
 
 
 # ------------------------------------------------------------------------------------------------ bench/run.py
@@ -275,7 +321,7 @@ def test_run_without_gpu_says_so_and_fails(tmp_path, capsys):
 def test_run_end_to_end_on_gpu(tmp_path):
     """A real benchmark file (bf16 mm as the op) through bench/run.py: results JSON, report.md, report.png."""
     (tmp_path / "bench_mm.py").write_text(
-        "import torch\nfrom twinspark import benchkit as bk\n"
+        "import benchkit as bk\nimport torch\n"
         "dev = torch.device('cuda'); copy = bk.copy_ceiling_gbps(dev); a = bk.load_anchors()\n"
         "recs = []\n"
         "for m in (1, 64):\n"
@@ -291,7 +337,8 @@ def test_run_end_to_end_on_gpu(tmp_path):
     assert run.main(["--bench-dir", str(tmp_path), "--out-dir", str(out), "mm"]) == 0
     res = bk.load_results(out / "mm.json")
     assert [r.shape["m"] for r in res["records"]] == [1, 64] and res["machine"]["gpu"]
-    assert all(0 < r.gbps < res["ceilings"]["copy_gbps"] for r in res["records"])
+    assert all(r.gbps == bk.gbps(r.bytes, r.median_us) and len(r.samples_us) == 7 for r in res["records"])
+    assert res["ceilings"]["copy_gbps"] > 0
     assert "## mm" in (out / "report.md").read_text() and (out / "report.png").is_file()
     assert run.main(["--bench-dir", str(tmp_path), "--out-dir", str(out), "broken"]) == 1
     assert "bench_broken.py (exit status 3)" in (out / "report.md").read_text()
@@ -357,6 +404,14 @@ def test_bench_exl3_moe_plot_only_redraws_the_png(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and why in err
     assert not any((tmp_path / n).exists() for n in ("other.png", "missing.png", "exl3_gemm.png"))
+
+
+def test_the_wheel_holds_no_bench_code():
+    """The bench kit lives in bench/; nothing under python/twinspark (the wheel) imports it."""
+    root = REPO / "python" / "twinspark"
+    assert not (root / "benchkit.py").exists() and not (root / "benchkit").exists()
+    pattern = re.compile(r"^\s*(import benchkit|from benchkit\b|from twinspark import benchkit|import bench_)", re.M)
+    assert [p.relative_to(REPO) for p in root.rglob("*.py") if pattern.search(p.read_text())] == []
 
 
 def test_one_gb10_model_behind_benchkit_names():

@@ -8,9 +8,8 @@ import itertools
 
 import pytest
 import torch
-from twinspark import _ext
+from twinspark import _ext, gb10
 from twinspark import moe_layout as ml
-from twinspark.benchkit import GB10_SMEM_PER_SM
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
 from twinspark.ops import exl3_moe
@@ -316,7 +315,7 @@ def test_rate_words_match_the_kernels():
 
 # Shared memory per SM (bytes) of the H200 and of GB10 (compute capability 12.x, the CUDA programming guide's table),
 # the driver's reservation per block on both, and the 16-row kernels' static shared memory (ptxas -v: 800 B).
-H200_SMEM, GB10_SMEM, RESERVED, STATIC = 228 * 1024, GB10_SMEM_PER_SM, 1024, 800
+H200_SMEM, GB10_SMEM, RESERVED, STATIC = 228 * 1024, int(gb10.SMEM_PER_SM.value), 1024, 800
 A_KB = 16 * 136 * 2  # one 16-row k-block of fp16 A (moe_gemm.cuh kAKbBytes)
 
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import sys
+from pathlib import Path
 
 import pytest
-from twinspark import benchkit as bk
 from twinspark import gb10
 from twinspark.client import budget, cli, forecast
 from twinspark.paths import project_root
 from twinspark.tiny_v41 import make_shape_only_v41
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import benchkit as bk  # noqa: E402  (the writer of the results files the forecast reads; not in the wheel)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +105,18 @@ def test_moe_prefill_from_results(b, tmp_path):
     scale = 132 * 1.98 / (48 * 2.4)
     assert us == pytest.approx(8800.0 / 2048 * scale) and "T=2048" in how
     assert forecast.moe_prefill_us(None)[0] == pytest.approx(17.0e3 / 1536)
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"records": [{"shape": {"T": 4}}]}', '{"records": [{"shape": 4, '
+                                  '"median_us": 1}]}', '{"machine": 3, "records": []}'])
+def test_a_file_that_is_not_bench_results_is_one_sentence(b, tmp_path, text):
+    """The forecast reads benchmark results without the bench kit: a foreign file ends in one sentence."""
+    p = tmp_path / "decode_step.json"
+    p.write_text(text)
+    for read in (forecast.measured_classes, forecast.moe_prefill_us):
+        with pytest.raises(forecast.ForecastError) as e:
+            read(p)
+        assert "is not a benchmark results file" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_gb10_model_pieces():

@@ -206,7 +206,6 @@ def _budget(model_dir, tp, kv_bytes, kv_token_bytes, max_model_len, engram_dir, 
 
 def budget(model_dir, tp=2, kv_bytes="2.5GiB", kv_token_bytes=None, max_model_len=600_000, engram_dir=None,
            mem_available_gib=None, kv_dtype="fp8_ds_mla", with_forecast=False) -> int:
-    from twinspark import benchkit as bk
     from twinspark.client import budget as bg
 
     b = _budget(model_dir, tp, kv_bytes, kv_token_bytes, max_model_len, engram_dir, mem_available_gib, kv_dtype)
@@ -216,7 +215,7 @@ def budget(model_dir, tp=2, kv_bytes="2.5GiB", kv_token_bytes=None, max_model_le
 
         try:
             f = fc.forecast(b)
-        except (bk.BenchError, SafetensorsError) as e:
+        except SafetensorsError as e:  # ForecastError is one
             raise Failed(str(e)) from None
         print()
         print(fc.report(f, b))
@@ -228,7 +227,6 @@ def forecast(model_dir, tp=None, overhead_ms=None, gb10_gbps=None, step_results=
              bw_efficiency=None, allreduce_us=None, attention_us=None, engram_us=None, kv_token_bytes=None,
              kv_dtype="fp8_ds_mla") -> int:
     """Flags arrive as text (or None: the forecast's default), so a bad value ends in one sentence."""
-    from twinspark import benchkit as bk
     from twinspark.client import forecast as fc
 
     b = _budget(model_dir, 2 if tp is None else tp, "2.5GiB", kv_token_bytes, 600_000, None, 0, kv_dtype)
@@ -251,7 +249,7 @@ def forecast(model_dir, tp=None, overhead_ms=None, gb10_gbps=None, step_results=
         kw["acceptance_length"] = 1.0
     try:
         r = fc.forecast(b, **kw)
-    except (bk.BenchError, SafetensorsError) as e:
+    except SafetensorsError as e:  # ForecastError is one
         raise Failed(str(e)) from None
     print(fc.report(r, b))
     return 0

@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from twinspark import benchkit as bk
 from twinspark import gb10
 from twinspark.checks import is_int, is_number
 from twinspark.client.budget import CONFIG_INTS, Budget
+from twinspark.fileio import read_json
 from twinspark.paths import project_root
 from twinspark.safetensors_io import SafetensorsError
 
@@ -183,17 +183,45 @@ def upstream(name: str, routed_eff: float, moe_prefill: gb10.Param) -> Kernels:
     return Kernels(name, e, routed_eff, e, float(gb10.NCCL_ALLREDUCE_US), float(moe_prefill), moe_prefill.source, e)
 
 
+@dataclass(frozen=True)
+class BenchRecord:
+    """The fields the forecast reads from one record of a benchmark results file."""
+
+    variant: str
+    shape: dict
+    median_us: float
+    bytes: float
+    flops: float
+
+
+def read_bench_results(path: Path) -> tuple[dict, list[BenchRecord]]:
+    """(machine, records) of a results file that bench/run.py writes (bench/benchkit: {"name", "machine",
+    "ceilings", "records": [{"op", "shape", "variant", "median_us", "bytes", "flops", ...}]}); the product reads
+    these fields only and does not import the bench kit. One sentence when the file is not one."""
+    try:
+        doc = read_json(path)  # a regular file only: a FIFO would block the reader
+        machine = doc.get("machine") or {}
+        recs = [BenchRecord(str(r.get("variant", "twinspark")), r["shape"], float(r["median_us"]),
+                            float(r.get("bytes") or 0), float(r.get("flops") or 0)) for r in doc["records"]]
+        if not isinstance(machine, dict) or not all(isinstance(r.shape, dict) for r in recs):
+            raise TypeError("machine and every record's shape must be objects")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ForecastError(f"{path} is not a benchmark results file ({e}); re-run the benchmark that wrote it "
+                            "(`python bench/run.py NAME` on a GPU)") from None
+    return machine, recs
+
+
 def measured_classes(path: Path) -> tuple[dict, str]:
     """{(class, T): (bytes, proxy µs, MMA FLOPs)} of the 48-SM proxy in a decode_step.json."""
-    doc = bk.load_results(path)
+    machine, records = read_bench_results(path)
     out = {}
-    for r in doc["records"]:
+    for r in records:
         mode, _, rest = r.variant.partition(":")
-        if mode == "proxy" and rest.startswith("class:") and isinstance(r.shape, dict) and is_int(r.shape.get("T")):
-            out[(rest[len("class:"):], r.shape["T"])] = (float(r.bytes or 0), float(r.median_us), float(r.flops or 0))
+        if mode == "proxy" and rest.startswith("class:") and is_int(r.shape.get("T")):
+            out[(rest[len("class:"):], r.shape["T"])] = (r.bytes, r.median_us, r.flops)
     if not out:
         raise ForecastError(f"{path} has no 48-SM proxy records; re-run `python bench/run.py decode_step` on a GPU")
-    return out, f"48-SM H200 proxy, {path.name} ({doc['machine'].get('date', '?')[:10]})"
+    return out, f"48-SM H200 proxy, {path.name} ({str(machine.get('date', '?'))[:10]})"
 
 
 def moe_prefill_us(path: Path | None, K: int = 3) -> tuple[float, str]:
@@ -201,8 +229,8 @@ def moe_prefill_us(path: Path | None, K: int = 3) -> tuple[float, str]:
     the SM-throughput scaling (the prefill kernels are bound by decode work) and the tensor-core floor."""
     best = None
     if path is not None and path.is_file():
-        for r in bk.load_results(path)["records"]:
-            s = r.shape if isinstance(r.shape, dict) else {}
+        for r in read_bench_results(path)[1]:
+            s = r.shape
             if r.variant == "twinspark" and s.get("K") == K and is_int(s.get("T")) and s["T"] >= 512:
                 if best is None or s["T"] > best[0]:
                     best = (s["T"], r.median_us, s.get("H", 5120), s.get("I", 1152), s.get("top_k", 6))
