@@ -8,8 +8,7 @@ import re
 import shutil
 
 import pytest
-from conftest import invoke
-from lab import sh
+from lab import invoke, sh
 
 pytestmark = [pytest.mark.lab]
 

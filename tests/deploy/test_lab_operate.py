@@ -26,8 +26,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, deploy_flags, invoke, invoke_command, read_state, stop_deployment, vllm_reason
-from lab import HEAD_IP, WORKER_IP, sh
+from lab import (
+    HEAD_IP,
+    REPO,
+    WORKER_IP,
+    deploy_flags,
+    invoke,
+    invoke_command,
+    read_state,
+    sh,
+    stop_deployment,
+    vllm_reason,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.vllm, pytest.mark.slow]
 TIME = r"(?:[0-9.]+ s|\d+ min \d+ s)"  # progress.fmt_s

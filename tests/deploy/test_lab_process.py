@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import invoke, read_state, stop_deployment, vllm_reason
+from lab import invoke, read_state, stop_deployment, vllm_reason
 
 pytestmark = [pytest.mark.lab, pytest.mark.vllm, pytest.mark.slow]
 

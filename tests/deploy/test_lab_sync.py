@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import invoke
-from lab import sh
+from lab import invoke, sh
 
 pytestmark = [pytest.mark.lab]
 
