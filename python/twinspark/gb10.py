@@ -117,7 +117,7 @@ ALLREDUCE_US = Param(30.0, "µs", "assumed, one call of twinspark's one-shot all
                      "(H200 host-memory loopback 18.6 µs at 16 KB, bench/results/allreduce.json, plus a RoCE round "
                      "trip; not measured between two Sparks)")
 NCCL_ALLREDUCE_US = Param(50.0, "µs", "assumed, one small NCCL all-reduce over RoCE (NCCL took 41-53 µs over NVLink "
-                          "between two H200s, README allreduce row; not measured between two Sparks)")
+                          "between two H200s, the README's allreduce row at 65e0848; not measured between two Sparks)")
 GRAPH_KERNEL_US = Param(1.0, "µs", "assumed, per kernel of a CUDA graph on GB10: the ramp-up and tail a bandwidth "
                         "floor leaves out (the H200 step graphs ran 0.3-1.3 µs per call above the sum of their classes' "
                         "graphs, bench/results/decode_step.json)")
