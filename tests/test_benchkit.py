@@ -426,32 +426,6 @@ def test_one_gb10_model_behind_benchkit_names():
         assert p.source and p.unit
 
 
-def test_sm_count_override(monkeypatch):
-    """Plans sized for a green context's SMs: sms.limit() inside, TWINSPARK_SM_COUNT outside, the device's else."""
-    from twinspark.ops import sms
-
-    monkeypatch.setattr(sms, "device_sms", lambda index: 132)
-    monkeypatch.delenv(sms.ENV, raising=False)
-    assert sms.sm_count(0) == 132
-    monkeypatch.setenv(sms.ENV, "64")
-    assert sms.sm_count(0) == 64
-    with sms.limit(48):
-        assert sms.sm_count(0) == 48
-        with sms.limit(8):
-            assert sms.sm_count(0) == 8
-        assert sms.sm_count(0) == 48
-    assert sms.sm_count(0) == 64
-    monkeypatch.setenv(sms.ENV, "lots")
-    with pytest.raises(ValueError, match="TWINSPARK_SM_COUNT"):
-        sms.sm_count(0)
-    with pytest.raises(ValueError, match="number of SMs"):
-        with sms.limit(0):
-            pass
-    from twinspark.ops.exl3_gemm import plan
-
-    assert plan(1, 5120, 1152, 5, 48).splits < plan(1, 5120, 1152, 5, 132).splits  # what the override changes
-
-
 def test_bench_decode_step_plan_and_bytes():
     """The step plan at the real dimensions (no GPU): the calls per class and the bytes the forecast's budget counts."""
     import importlib.util

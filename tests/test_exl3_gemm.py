@@ -3,27 +3,14 @@ everywhere (small shapes, seconds), the CUDA kernels on a GPU (marker gpu; the k
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 import torch
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import Exl3Layer, random_layer
-from twinspark.ops import exl3_gemm
-from twinspark.ops.exl3_gemm import (
-    FUSED_BLOCKS,
-    FUSED_MAX_M,
-    LARGE_M,
-    M_SLICE,
-    NO_WGMMA_SMALL_MAX_M,
-    NO_WGMMA_SMALL_MIN_WEIGHTS,
-    PREP_GROUPS,
-    PREP_WORK,
-    SK_MIN_CHUNKS,
-    fused_available,
-    plan,
-)
+from twinspark.ops import exl3_gemm, plans
+from twinspark.ops.exl3_gemm import FUSED_BLOCKS, M_SLICE, fused_available, plan
 from twinspark.testing import poison_allocator, rel_l2
 
 # Tolerances (relative L2 vs the fp32 reference): the kernels round x' = H(x ⊙ suh) to fp16 (~2^-12 RMS
@@ -33,6 +20,14 @@ TOL = {torch.float16: 1e-3, torch.bfloat16: 5e-3}
 MS = (1, 2, 3, 8, 16, 17, 33, 64, 300, 1024)
 ANCHOR_SHAPES = ((1152, 5120), (5120, 1152), (4096, 5120), (5120, 4096), (5120, 12288))
 AWKWARD_SHAPES = ((128, 128), (384, 1280), (6144, 128))
+
+
+TABLE = plans.DEFAULT.exl3_gemm  # the table tests below run with it (the module skips where $TWINSPARK_PLAN changes it)
+
+
+def _plan(monkeypatch, spec: str) -> None:
+    """The rest of the test runs with these exl3_gemm plan keys on top of the current ones (undone at its end)."""
+    monkeypatch.setattr(plans, "_current", plans.parse(spec, plans.current(), "test plan"))
 
 
 def _dense(x: torch.Tensor, layer: Exl3Layer) -> torch.Tensor:
@@ -71,21 +66,21 @@ def test_opcheck(gen):
 @pytest.mark.parametrize("fused", [False, True])
 def test_plan_table_is_consistent(fused):
     """Every split covers >= 1 chunk, all chunks are covered, token groups hold the slice; prefill goes to the
-    fused kernel where it runs (sm_90) up to FUSED_MAX_M and to the large path above; elsewhere (GB10) large
-    layers keep the small kernel up to NO_WGMMA_SMALL_MAX_M, the rest goes to the large path."""
+    fused kernel where it runs (sm_90) up to fused_max_m and to the large path above; elsewhere (GB10) large
+    layers keep the small kernel up to no_wgmma_small_max_m, the rest goes to the large path."""
     for m in (1, 7, 8, 9, 16, 33, 63, 64, 65, 128, 129, 256, 257, 4096):
         for k, n in ANCHOR_SHAPES + AWKWARD_SHAPES:
             p = plan(m, k, n, 3, sms=132, fused=fused)
-            no_wgmma_small = not fused and m <= NO_WGMMA_SMALL_MAX_M and k * n >= NO_WGMMA_SMALL_MIN_WEIGHTS
-            if m > LARGE_M and not no_wgmma_small:
-                assert p.variant == ("fused" if fused and m <= FUSED_MAX_M else "large")
+            no_wgmma_small = not fused and m <= TABLE.no_wgmma_small_max_m and k * n >= TABLE.no_wgmma_small_min_weights
+            if m > TABLE.large_m and not no_wgmma_small:
+                assert p.variant == ("fused" if fused and m <= TABLE.fused_max_m else "large")
                 assert fused or (p.block, p.splits) == (0, 0)
                 continue
             chunks = k // 128
             assert p.variant == "small" and p.groups in (1, 2, 4, 8)
             assert p.m_slice == min(m, M_SLICE) and p.m_slice <= 8 * p.groups < 2 * max(p.m_slice, 8)
             assert (p.splits - 1) * p.chunks_per_split < chunks <= p.splits * p.chunks_per_split
-            assert p.prep == (p.groups >= PREP_GROUPS and n // 128 * k >= PREP_WORK)
+            assert p.prep == (p.groups >= TABLE.prep_groups and n // 128 * k >= TABLE.prep_work)
     if not fused:  # GB10 on paper: 5120x12288 at m=256 in four small slices, the 5.9M-weight layers on large
         assert plan(256, 5120, 12288, 2, sms=48, fused=False).variant == "small"
         assert plan(256, 1152, 5120, 2, sms=48, fused=False).variant == "large"
@@ -116,7 +111,7 @@ def test_k_n_not_multiple_of_128(gen):
 def test_fused_split_k(monkeypatch):
     """k is split only when the blocks leave SMs idle, never past one round of blocks, every split >= one 64-row
     chunk (the launcher refuses an empty split); stream-K (block 0 only) runs at most one block per SM, each with
-    >= SK_MIN_CHUNKS chunks, never more blocks than iterations (forced counts are capped there too)."""
+    >= sk_min_chunks chunks, never more blocks than iterations (forced counts are capped there too)."""
     seen = set()
     for m in (65, 128, 256, 300, 1024, 4096):
         for k, n in ANCHOR_SHAPES + AWKWARD_SHAPES:
@@ -128,7 +123,7 @@ def test_fused_split_k(monkeypatch):
                 assert p.block == 0
                 iterations = blocks * (k // 64)
                 assert 1 <= p.splits <= min(132, iterations)
-                assert p.splits == 1 or iterations // p.splits >= SK_MIN_CHUNKS
+                assert p.splits == 1 or iterations // p.splits >= TABLE.sk_min_chunks
             else:
                 assert p.splits * blocks <= max(132 * per_sm, blocks)
                 assert (p.splits - 1) * p.chunks_per_split < k // 64 <= p.splits * p.chunks_per_split
@@ -139,11 +134,10 @@ def test_fused_split_k(monkeypatch):
     assert not p.stream_k and p.splits > 1  # 40 tiles: k split (stream-K would spread a tile over 3.3 blocks)
     assert not plan(512, 1152, 5120, 2, 132, fused=True).stream_k  # 18 chunks per tile: the k split
     assert plan(512, 4096, 5120, 2, 132, fused=True).stream_k
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_BLOCK", "0")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_SK_BLOCKS", "100000")
+    _plan(monkeypatch, "exl3_gemm.block=0,exl3_gemm.sk_blocks=100000")
     p = plan(256, 128, 128, 2, 132, variant="fused", fused=True)
     assert p.stream_k and p.splits == 2  # one tile of two chunks
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_SK_BLOCKS", "0")
+    _plan(monkeypatch, "exl3_gemm.sk_blocks=0")
     assert not plan(256, 5120, 12288, 2, 132, fused=True).stream_k
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         plan(256, 128, 128, 2, 132, variant="fused", fused=False)
@@ -195,11 +189,11 @@ def test_kernel_parity_other_rates(K, gen, cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["small", "fused", "large"])
 def test_every_variant_at_every_m(variant, gen, cuda, monkeypatch):
-    """The table sends m > LARGE_M to 'fused' (sm_90) or 'large'; force each variant at the others' m (small
+    """The table sends m > large_m to 'fused' (sm_90) or 'large'; force each variant at the others' m (small
     slices 64 tokens; fused takes 128- and 256-token blocks, partial ones included)."""
     if variant == "fused" and not fused_available(cuda):
         pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", variant)
+    _plan(monkeypatch, f"exl3_gemm.variant={variant}")
     for K, codebook in ((3, "mul1"), (2, "3inst"), (5, "mcg")):
         layer = random_layer(1024, 768, K, codebook, bias=True, generator=gen)
         _check_case(layer, torch.float16, (1, 17, 65, 300), cuda, gen, f"{variant} {codebook} K={K}")
@@ -211,8 +205,7 @@ def test_fused_block_shapes_and_split_k(block, gen, cuda, monkeypatch):
     """Every fused block shape, split k / stream-K (few tiles) and partial token blocks."""
     if not fused_available(cuda):
         pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", "fused")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_BLOCK", str(block))
+    _plan(monkeypatch, f"exl3_gemm.variant=fused,exl3_gemm.block={block}")
     for K, codebook in ((2, "mul1"), (4, "mcg"), (1, "3inst")):
         layer = random_layer(1152, 640, K, codebook, bias=True, generator=gen)
         _check_case(layer, torch.bfloat16, (65, 129, 300, 513), cuda, gen, f"block={block} {codebook} K={K}")
@@ -227,9 +220,7 @@ def test_fused_stream_k_block_counts(sk_blocks, gen, cuda, monkeypatch):
     flags must be left zero."""
     if not fused_available(cuda):
         pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", "fused")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_BLOCK", "0")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_SK_BLOCKS", sk_blocks)
+    _plan(monkeypatch, f"exl3_gemm.variant=fused,exl3_gemm.block=0,exl3_gemm.sk_blocks={sk_blocks}")
     for K, codebook in ((2, "mul1"), (3, "mcg")):
         layer = random_layer(1152, 640, K, codebook, bias=True, generator=gen)
         for _ in range(2):
@@ -239,10 +230,9 @@ def test_fused_stream_k_block_counts(sk_blocks, gen, cuda, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("prep", ["0", "1"])
 def test_small_variant_with_and_without_prepared_x(prep, gen, cuda, monkeypatch):
-    """The small kernel reads x' made once by the prep kernel (default from PREP_GROUPS groups) or makes it per
+    """The small kernel reads x' made once by the prep kernel (default from prep_groups groups) or makes it per
     strip itself: both at every token-group count, half rates excluded (whole rates only)."""
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", "small")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_PREP", prep)
+    _plan(monkeypatch, f"exl3_gemm.variant=small,exl3_gemm.prep={prep}")
     for K, codebook in ((2, "mul1"), (4, "3inst"), (8, "mcg")):
         layer = random_layer(1280, 384, K, codebook, bias=True, generator=gen)
         _check_case(layer, torch.bfloat16, (1, 9, 17, 33, 64, 100), cuda, gen, f"prep={prep} {codebook} K={K}")
@@ -347,5 +337,5 @@ def test_graph_never_replayed_does_not_poison_the_next(gen, cuda):
     del ga
 
 
-if os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT") or os.environ.get("TWINSPARK_EXL3_GEMM_PREP"):  # skews the table tests
-    pytestmark = pytest.mark.skip(reason="TWINSPARK_EXL3_GEMM_VARIANT or _PREP is set in the environment")
+if plans.current().exl3_gemm != TABLE:  # skews the table tests
+    pytestmark = pytest.mark.skip(reason=f"$TWINSPARK_PLAN changes exl3_gemm's table ({plans.changes()})")

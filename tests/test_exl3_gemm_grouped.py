@@ -5,15 +5,14 @@ codebooks and rates."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
-from test_exl3_gemm import TOL, _dense  # the single-matrix op's tolerances and dense-weight check
 import torch
+from test_exl3_gemm import TOL, _dense, _plan  # the single-matrix op's tolerances and checks
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
-from twinspark.ops import exl3_gemm, exl3_gemm_grouped
+from twinspark.ops import exl3_gemm, exl3_gemm_grouped, plans
 from twinspark.ops.exl3_gemm_grouped import Exl3GroupedLayer, stack_layers
 from twinspark.ops.workspace import workspace
 from twinspark.testing import poison_allocator, rel_l2
@@ -152,8 +151,7 @@ def test_kernel_parity_codebooks_and_rates(K, codebook, gen, cuda):
 def test_small_kernel_slices_with_and_without_prepared_x(prep, gen, cuda, monkeypatch):
     """The grouped small kernel at every token-group count and in 64-token slices (m > 64 forced to 'small'), its
     x' made per strip or by the grouped prep kernel ([G, m, k] in one launch)."""
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_VARIANT", "small")
-    monkeypatch.setenv("TWINSPARK_EXL3_GEMM_PREP", prep)
+    _plan(monkeypatch, f"exl3_gemm.variant=small,exl3_gemm.prep={prep}")
     for K, codebook in ((5, "mul1"), (3, "3inst"), (4, "mcg")):
         layer = _grouped(4, 1280, 512, K, codebook, gen, bias=True)
         _check_case(layer, torch.bfloat16, (1, 9, 17, 33, 64, 65, 130), cuda, gen, f"prep={prep} {codebook} K={K}")
@@ -222,5 +220,5 @@ def test_cuda_graph_capture_and_replay(G, m, gen, cuda):
     assert _workspace_is_zero(x.device, stream)
 
 
-if os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT") or os.environ.get("TWINSPARK_EXL3_GEMM_PREP"):
-    pytestmark = pytest.mark.skip(reason="TWINSPARK_EXL3_GEMM_VARIANT or _PREP is set in the environment")
+if plans.current().exl3_gemm != plans.DEFAULT.exl3_gemm:
+    pytestmark = pytest.mark.skip(reason=f"$TWINSPARK_PLAN changes exl3_gemm's table ({plans.changes()})")

@@ -12,7 +12,7 @@ from twinspark import _ext, gb10
 from twinspark import moe_layout as ml
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
-from twinspark.ops import exl3_moe
+from twinspark.ops import exl3_moe, plans
 from twinspark.ops.exl3_moe import (
     GATE_UP4_BLOCKS_PER_SM,
     GATE_UP_BLOCKS_PER_SM,
@@ -25,6 +25,12 @@ from twinspark.ops.exl3_moe import (
 from twinspark.ops.workspace import workspace
 from twinspark.reference.exl3_moe import exl3_moe as reference_moe
 from twinspark.testing import rel_l2
+
+
+def _plan(monkeypatch, spec: str) -> None:
+    """The rest of the test runs with these exl3_moe plan keys on top of the current ones (undone at its end)."""
+    monkeypatch.setattr(plans, "_current", plans.parse(spec, plans.current(), "test plan"))
+
 
 # bf16 output: one rounding of the result (2^-9 relative, ~1.1e-3 RMS) plus the kernels' fp16 rounding of the
 # Hadamard-transformed activations (~3e-4 each) and fp32 accumulation: 5e-3 leaves room, garbage is ~1.
@@ -268,18 +274,17 @@ def test_plan_launch_four_gate_up_blocks_per_sm():
 
 
 def test_plan_launch_forced_split(monkeypatch):
-    """The sweep switch: N forces N uniform parts, "Nm" N parts with the mixed split on top (T=2 at 4 blocks per SM:
+    """The sweep key: N forces N uniform parts, "Nm" N parts with the mixed split on top (T=2 at 4 blocks per SM:
     60 groups in 2 parts and 48 in 3 = 528 resident blocks); anything else is refused with one sentence."""
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SPLITK", "2")
+    _plan(monkeypatch, "exl3_moe.split_k=2")
     cfg = plan_launch(2, 6, 384, 5120, 1152, sms=132, gate_up_blocks=4)
     assert (cfg["splitk"], cfg["short_groups"]) == (2, 0)
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SPLITK", "2m")
+    _plan(monkeypatch, "exl3_moe.split_k=2m")
     cfg = plan_launch(2, 6, 384, 5120, 1152, sms=132, gate_up_blocks=4)
     assert (cfg["splitk"], cfg["short_groups"]) == (3, 60)
     assert 2 * 60 * 2 + 2 * 48 * 3 == 4 * 132
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SPLITK", "two")
-    with pytest.raises(ValueError, match="is not a part count"):
-        plan_launch(2, 6, 384, 5120, 1152, sms=132)
+    with pytest.raises(ValueError, match="exl3_moe.split_k='two' is not accepted"):
+        _plan(monkeypatch, "exl3_moe.split_k=two")
 
 
 def test_plan_launch_four_down_blocks_per_sm():
@@ -293,15 +298,15 @@ def test_plan_launch_four_down_blocks_per_sm():
 
 def test_plan_launch_early_down_past_one_wave(monkeypatch):
     """Down blocks start per item (early_down) where gate/up takes more than one wave; at one token (gate/up in one
-    wave) they wait for the grid; the switch forces either; 64-row items never start early."""
-    monkeypatch.delenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", raising=False)
+    wave) they wait for the grid; the plan key forces either; 64-row items never start early."""
+    _plan(monkeypatch, "exl3_moe.early_down=auto")
     assert not plan_launch(1, 6, 384, 5120, 1152, sms=132)["early_down"]
     assert plan_launch(2, 6, 384, 5120, 1152, sms=132)["early_down"]
     assert plan_launch(4, 6, 384, 5120, 1152, sms=132)["early_down"]
     assert not plan_launch(2048, 6, 384, 5120, 1152, sms=132)["early_down"]  # 64-row items
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", "1")
+    _plan(monkeypatch, "exl3_moe.early_down=1")
     assert plan_launch(1, 6, 384, 5120, 1152, sms=132)["early_down"]
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", "0")
+    _plan(monkeypatch, "exl3_moe.early_down=0")
     assert not plan_launch(4, 6, 384, 5120, 1152, sms=132)["early_down"]
 
 
@@ -353,25 +358,24 @@ def test_a_region_fits_the_residency():
 
 
 def test_smem_per_sm_override_is_checked(monkeypatch):
-    """TWINSPARK_EXL3_MOE_SMEM_PER_SM must be a device's byte count: anything else is one clear error."""
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM", str(GB10_SMEM))
+    """The plan's exl3_moe.smem_per_sm must be a device's byte count: anything else is one clear error."""
+    _plan(monkeypatch, f"exl3_moe.smem_per_sm={GB10_SMEM}")
     assert plan_launch(1, 6, 384, 5120, 1152, 132)["smem_per_sm"] == GB10_SMEM
     for bad in ("100KB", "4096", "-1", str(10**7)):
-        monkeypatch.setenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM", bad)
-        with pytest.raises(ValueError, match="TWINSPARK_EXL3_MOE_SMEM_PER_SM"):
-            plan_launch(1, 6, 384, 5120, 1152, 132)
-    monkeypatch.delenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM")
+        with pytest.raises(ValueError, match=f"exl3_moe.smem_per_sm='{bad}' is not accepted"):
+            _plan(monkeypatch, f"exl3_moe.smem_per_sm={bad}")
+    _plan(monkeypatch, "exl3_moe.smem_per_sm=0")
     assert plan_launch(1, 6, 384, 5120, 1152, 132)["smem_per_sm"] == 0
 
 
 def test_gate_up_pdl_only_under_capture(monkeypatch):
     """gate/up launches with programmatic dependent launch inside a CUDA graph capture, plainly in eager calls (the
-    launch costs the host more); the switch forces either."""
-    monkeypatch.delenv("TWINSPARK_EXL3_MOE_PDL", raising=False)
+    launch costs the host more); the plan key forces either."""
+    _plan(monkeypatch, "exl3_moe.pdl=auto")
     assert gate_up_pdl(True) and not gate_up_pdl(False)
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_PDL", "1")
+    _plan(monkeypatch, "exl3_moe.pdl=1")
     assert gate_up_pdl(False)
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_PDL", "0")
+    _plan(monkeypatch, "exl3_moe.pdl=0")
     assert not gate_up_pdl(True)
 
 
@@ -419,7 +423,7 @@ def test_kernel_matches_reference(T, top_k, gen, cuda):
 def test_kernel_forced_splits(splitk, gen, cuda, monkeypatch):
     """Decode with gate/up split over H at every kind of part size (40 k-blocks: one chunk of A, several, parts
     of one k-block), at the model's dimensions."""
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SPLITK", str(splitk))
+    _plan(monkeypatch, f"exl3_moe.split_k={splitk}")
     for T, top_k in ((1, 6), (3, 4), (8, 8)):
         got, want = _gpu_case(cuda, gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3)))
         assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} splitk={splitk}"
@@ -430,7 +434,7 @@ def test_kernel_forced_splits(splitk, gen, cuda, monkeypatch):
 def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
     """The planned decode split at the model's dimensions, where (item, columns) groups differ in part count
     (T=1, top-6: 3 and 4 parts); with duplicate ids fewer items than the grid covers are real."""
-    monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
+    _plan(monkeypatch, "exl3_moe.split_k=auto")
     ids = None
     if dup:
         ids = torch.tensor([[2, 5, 2, 7, 5, 2]], dtype=torch.int32)
@@ -445,11 +449,11 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
 def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     """Layers whose gate/up (down) matrices share one rate run the 16-row kernels compiled for that rate alone in
     decode (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
-    kernels that dispatch on every expert's rate (TWINSPARK_EXL3_MOE_RATE_KERNELS=0), the rate kernels reading
-    offsets instead of computing them (TWINSPARK_EXL3_MOE_PACKED=0) and mul1's gate/up at 3 blocks per SM instead of
-    4 (TWINSPARK_EXL3_MOE_GATE_UP4=0) must agree with the reference too. Model dimensions; decode (T=1, 4) and a
+    kernels that dispatch on every expert's rate (exl3_moe.rate_kernels=0), the rate kernels reading offsets instead
+    of computing them (exl3_moe.packed=0) and mul1's gate/up at 3 blocks per SM instead of 4 (exl3_moe.gate_up4=0)
+    must agree with the reference too. Model dimensions; decode (T=1, 4) and a
     routed call (T=17: the dispatching kernels either way)."""
-    monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
+    _plan(monkeypatch, "exl3_moe.split_k=auto")
     ex = ml.random_experts(12, 5120, 1152, rates=[rates[e % len(rates)] for e in range(12)], codebook=codebook,
                            generator=gen)
     assert ex.words13 == ref.words_per_tile(rates[0][0])
@@ -458,20 +462,19 @@ def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
     # rate kernels (with both rates uniform: matrices placed by packed_strides; mul1: gate/up at 4 blocks per SM),
     # the same with offsets read, at 3 gate/up blocks per SM, the dispatching kernels
     # (the first case, mul1 with one down rate, runs down at 4 per SM at T=4 and 8, at T=8 items of 5-8 rows in the
-    # fp16 decode there; at 2-3 per SM with TWINSPARK_EXL3_MOE_DOWN4=0; at 4 at one token too, forced; the other
-    # cases keep 2-3 whatever the switches say)
-    configs = {"rate": ("1", "1", "1", "", ""), "rate, offsets read": ("1", "0", "1", "", ""),
-               "rate, gate/up 3 per SM": ("1", "1", "0", "", ""), "rate, down 2-3 per SM": ("1", "1", "1", "0", ""),
-               "rate, down 4 per SM everywhere": ("1", "1", "1", "", "4"), "dispatch": ("0", "1", "1", "", "")}
+    # fp16 decode there; at 2-3 per SM with exl3_moe.down4=0; at 4 at one token too, forced; the other
+    # cases keep 2-3 whatever the keys say)
+    configs = {"rate": ("1", "1", "auto", "auto", "auto"), "rate, offsets read": ("1", "0", "auto", "auto", "auto"),
+               "rate, gate/up 3 per SM": ("1", "1", "0", "auto", "auto"),
+               "rate, down 2-3 per SM": ("1", "1", "auto", "0", "auto"),
+               "rate, down 4 per SM everywhere": ("1", "1", "auto", "auto", "4"),
+               "dispatch": ("0", "1", "auto", "auto", "auto")}
     for T, top_k in ((1, 6), (4, 6), (8, 6), (17, 6)):
         x, ids, w = _inputs(gen, T, top_k, 12, 5120)
         outs = {}
         for name, (rate_kernels, packed, gate_up4, down4, down_blocks) in configs.items():
-            monkeypatch.setenv("TWINSPARK_EXL3_MOE_RATE_KERNELS", rate_kernels)
-            monkeypatch.setenv("TWINSPARK_EXL3_MOE_PACKED", packed)
-            monkeypatch.setenv("TWINSPARK_EXL3_MOE_GATE_UP4", gate_up4)
-            monkeypatch.setenv("TWINSPARK_EXL3_MOE_DOWN4", down4)
-            monkeypatch.setenv("TWINSPARK_EXL3_MOE_DOWN_BLOCKS", down_blocks)
+            _plan(monkeypatch, f"exl3_moe.rate_kernels={rate_kernels},exl3_moe.packed={packed},"
+                               f"exl3_moe.gate_up4={gate_up4},exl3_moe.down4={down4},exl3_moe.down_blocks={down_blocks}")
             got, want = _check_kernel(cuda, ex, exd, x, ids, w)
             assert rel_l2(got, want) <= TOL, f"T={T} {name}"
             outs[name] = got
@@ -485,7 +488,7 @@ def test_kernel_early_down(early, gen, cuda, monkeypatch):
     """16-row items with the down blocks waiting for their own item's activations (early) or for the whole gate/up
     grid: decode (in-block routing) and the routing launch, three calls at each size; after every call the
     per-stream counters (shared by calls of every size, laid out by max_items) must be zero again."""
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_EARLY_DOWN", early)
+    _plan(monkeypatch, f"exl3_moe.early_down={early}")
     ex = ml.random_experts(16, 1024, 1152, rates=[(2, 3, 4), (3, 2, 2.5), (4, 4, 2)], codebook="mul1",
                            generator=gen)
     exd = ex.to(cuda)
@@ -505,8 +508,8 @@ def test_kernel_bytesum_rows(rows, bytesum, gen, cuda, monkeypatch):
     """mul1 items of 1-4 rows take the byte-sum mma (x' as int8 hi/lo per row and k-block), 5 rows the fp16 decode;
     both switch settings at the model's dimensions (x' chunks of 32 / 16 / 10 / 8 k-blocks in gate/up, whole
     rates and a half rate). Row 1 is all zeros (a zero scale), row 2 has one channel 1000x the rest."""
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_BYTESUM", bytesum)
-    monkeypatch.delenv("TWINSPARK_EXL3_MOE_SPLITK", raising=False)
+    _plan(monkeypatch, f"exl3_moe.bytesum={bytesum}")
+    _plan(monkeypatch, "exl3_moe.split_k=auto")
     ex = ml.random_experts(4, 5120, 1152, rates=[(2, 3, 4), (2.5, 2, 3), (3, 3, 2), (4, 2, 2)], codebook="mul1",
                            generator=gen)
     x, _, w = _inputs(gen, rows, 1, 4, 5120)
@@ -671,7 +674,7 @@ def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
             ws.append(w / rms)
             y = scale((out.float() / rms).to(x.dtype), step)
         for pdl in ("1", "0"):
-            monkeypatch.setenv("TWINSPARK_EXL3_MOE_PDL", pdl)
+            _plan(monkeypatch, f"exl3_moe.pdl={pdl}")
             y, calls = x, []
             for step in range(6):
                 out = exl3_moe(y, ids, ws[step], exd)
@@ -688,7 +691,7 @@ def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
 @pytest.mark.gpu
 def test_kernel_decode_residency(gen, cuda, monkeypatch):
     """The decode kernels get the residency they are sized for, before and after calls: gate/up 4 blocks per SM (mul1,
-    one rate: 64 registers; 3, 80 registers, with TWINSPARK_EXL3_MOE_GATE_UP4=0), down at one token 2 (its shared
+    one rate: 64 registers; 3, 80 registers, with exl3_moe.gate_up4=0), down at one token 2 (its shared
     memory padded so a third does not fit; cuda/exl3_moe/DESIGN.md "Launch plan": a first launch whose occupancy
     query ran before the shared-memory attribute was raised saw no block, left the padding out, and the remembered
     size kept the down kernel at 3 per SM, T=1 +10%). The model's dimensions, a few experts."""
@@ -700,8 +703,8 @@ def test_kernel_decode_residency(gen, cuda, monkeypatch):
     x, ids, w = (t.to(cuda) for t in _inputs(gen, 1, 6, E, 5120))
     assert plan_launch(1, 6, E, 5120, 1152, torch.cuda.get_device_properties(cuda).multi_processor_count)[
         "down_min_blocks"] == 2
-    for gate_up4, sized in (("1", 4), ("0", 3)):
-        monkeypatch.setenv("TWINSPARK_EXL3_MOE_GATE_UP4", gate_up4)
+    for gate_up4, sized in (("auto", 4), ("0", 3)):
+        _plan(monkeypatch, f"exl3_moe.gate_up4={gate_up4}")
         seen = [kernel_residency(x, ids, w, ex)]
         got = exl3_moe(x, ids, w, ex)
         torch.cuda.synchronize()
@@ -730,7 +733,7 @@ def test_kernel_decode_residency(gen, cuda, monkeypatch):
         assert four(True, 64, 64, 0, True) == (4, 7) and four(False, 80, 80, 0, True) == (4, 5)
         # past one token the down kernel runs at 4 per SM too (T=4: 24 items x 40 blocks)
         x4, ids4, w4 = (t.to(cuda) for t in _inputs(gen, 4, 6, E, 5120))
-        monkeypatch.delenv("TWINSPARK_EXL3_MOE_GATE_UP4")
+        _plan(monkeypatch, "exl3_moe.gate_up4=auto")
         assert kernel_residency(x4, ids4, w4, ex) == (4, 4)
         assert launch_plan(x4, ids4, ex)["down_min_blocks"] == 4
 
@@ -743,8 +746,7 @@ def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
     reference with the smaller region, where pieces build A in several chunks: one token, 4-row byte-sum items,
     items of 5-16 rows (fp16 decode), duplicate ids, mixed rates up to K=8, a 64-row prefill call, a one-rate K=2
     layer (mul1's 4-per-SM gate/up kernel fits only with a 2-k-block region there: the plan keeps 3)."""
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_SMEM_PER_SM", str(GB10_SMEM))
-    monkeypatch.setenv("TWINSPARK_EXL3_MOE_FIT_SMEM", fit)
+    _plan(monkeypatch, f"exl3_moe.smem_per_sm={GB10_SMEM},exl3_moe.fit_smem={fit}")
     E = 8
     ex = ml.random_experts(E, 5120, 1152, rates=[(3, 3, 3)] * E, codebook="mul1", generator=gen)
     exd = ex.to(cuda)
@@ -768,15 +770,15 @@ def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
         assert rel_l2(got, want) <= TOL, f"T={T} mixed rates"
     # K=2, one rate: mul1's 4-per-SM gate/up kernel fits only with a 2-k-block A region (x' in several chunks per
     # piece), so the plan keeps 3 (with the full region: 1 per SM either way); taken anyway
-    # (TWINSPARK_EXL3_MOE_GATE_UP4=any), the small region must match the reference too
+    # (exl3_moe.gate_up4=any), the small region must match the reference too
     ex = ml.random_experts(E, 5120, 1152, rates=[(2, 2, 2)] * E, codebook="mul1", generator=gen)
     exd = ex.to(cuda)
-    for T, forced in ((1, ""), (4, ""), (1, "any")):
-        monkeypatch.setenv("TWINSPARK_EXL3_MOE_GATE_UP4", forced)
+    for T, forced in ((1, "auto"), (4, "auto"), (1, "any")):
+        _plan(monkeypatch, f"exl3_moe.gate_up4={forced}")
         x, ids, w = _inputs(gen, T, 6, E, 5120)
         seen = kernel_residency(x.to(cuda), ids.to(cuda), w.to(cuda), exd)
         if fit == "1":
-            assert seen[0] == (4 if forced else 3) and 1 <= seen[1] <= 3, (forced, seen)
+            assert seen[0] == (4 if forced == "any" else 3) and 1 <= seen[1] <= 3, (forced, seen)
         got, want = _check_kernel(cuda, ex, exd, x, ids, w)
         assert rel_l2(got, want) <= TOL, f"K=2 T={T} residency {seen}"
 

@@ -37,8 +37,10 @@ def with_cuda() -> bool:
     return _C is not None and bool(_C.with_cuda)
 
 
+@functools.cache
 def force_reference() -> bool:
-    """TWINSPARK_FORCE_REFERENCE=1 sends every op to its PyTorch reference (debugging, A/B checks)."""
+    """TWINSPARK_FORCE_REFERENCE=1 sends every op to its PyTorch reference (debugging, A/B checks). Read once per
+    process, on the first op call: set it before."""
     return os.environ.get("TWINSPARK_FORCE_REFERENCE", "0") not in ("", "0", "false", "False")
 
 

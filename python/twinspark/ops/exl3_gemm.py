@@ -1,14 +1,15 @@
 """twinspark.ops.exl3_gemm: one EXL3 linear layer, y = x @ W + bias with W = diag(suh)·Hk·W_hat·Hn·diag(svh).
 
-Kernel variants (the one table is `plan`; cuda/exl3_gemm/DESIGN.md says why each exists;
-measurements cited as "NOTES.md vN" are in git: `git show 1fc0a13:cuda/exl3_gemm/NOTES.md`):
-- ``small`` (m <= LARGE_M): decode the trellis in registers straight into mma.sync fragments, split k across
+Kernel variants (the one table is `plan`, its thresholds and forcing keys the data in ``twinspark.ops.plans``
+(``Exl3Gemm``); cuda/exl3_gemm/DESIGN.md says why each exists; measurements cited as "NOTES.md vN" are in git:
+`git show 1fc0a13:cuda/exl3_gemm/NOTES.md`):
+- ``small`` (m <= large_m): decode the trellis in registers straight into mma.sync fragments, split k across
   blocks, reduce in an fp32 per-stream workspace; suh, both Hadamard transforms, svh and bias fused. Tokens go
   in slices of 64 per launch.
-- ``fused`` (LARGE_M < m <= FUSED_MAX_M on sm_90): x' = H(x ⊙ suh) in fp16 (the swizzled layout wgmma reads),
+- ``fused`` (large_m < m <= fused_max_m on sm_90): x' = H(x ⊙ suh) in fp16 (the swizzled layout wgmma reads),
   then one kernel decodes the trellis straight into wgmma register operands and multiplies by x' (W_hat never
   touches memory), then Hn, svh and bias in one kernel. Block shape and split-k from the same table (fused_shape).
-- ``large`` (larger m; off sm_90, e.g. GB10, every m > LARGE_M except up to NO_WGMMA_SMALL_MAX_M on large
+- ``large`` (larger m; off sm_90, e.g. GB10, every m > large_m except up to no_wgmma_small_max_m on large
   layers, which stay ``small``): the whole weight W = diag(suh)·Hk·W_hat·
   Hn·diag(svh) made once per call in x's dtype (dequant_w: decode, both Hadamards through the tensor cores, both
   scales), then one dense matmul, torch.mm / torch.addmm with the bias (cuBLAS): no x' pass, no epilogue pass.
@@ -22,7 +23,6 @@ Half rates (1.5, 2.5, 3.5) run through the PyTorch reference (a warning says so 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ import torch
 from twinspark import _ext
 from twinspark.exl3.layer import Exl3Layer
 from twinspark.exl3.reference import CODEBOOKS, WHOLE_RATES, rate_from_last_dim
+from twinspark.ops import plans
 from twinspark.ops.sms import sm_count
 from twinspark.ops.workspace import capture_id, workspace
 from twinspark.reference.exl3_gemm import exl3_gemm as _reference
@@ -38,28 +39,10 @@ from twinspark.reference.exl3_gemm import exl3_gemm as _reference
 OP = "exl3_gemm"
 _X_DTYPES = (torch.float16, torch.bfloat16)
 M_SLICE = 64  # tokens per launch of the small-m kernel (8 groups of 8: 32 fp32 accumulators per lane)
-LARGE_M = 64  # m above this takes the fused (sm_90) or the large path (README: H200 crossover)
-# The fused kernel up to this m; above it the large path (its whole-weight pass is paid once for many tokens, and
-# cuBLAS outruns the fused kernel's tensor-core use): H200, bench_exl3_gemm.py, NOTES.md v5 and v8.
-FUSED_MAX_M = 512
-# Without the fused kernel (no wgmma: GB10, sm_121a) the large path writes the bf16 weight and reads it back,
-# 4 k n bytes, which a 273 GB/s LPDDR5x pays in full (5120x12288: >= 0.92 ms at any m). Up to this m, on layers of
-# at least this many weights, the table keeps the small kernel in 64-token slices instead (each slice reads only
-# the trellis). Predicted, not measured (no Spark here): benchkit.predict_gb10_large_us against ceil(m/64) small
-# slices, ~2x in favour of the slices at m=256 on 5120x12288, 4096x5120 and 5120x4096, a tie near m=512, the large
-# path ahead on the 5.9M-weight layers (README "GB10 model"). TWINSPARK_EXL3_GEMM_VARIANT overrides it.
-NO_WGMMA_SMALL_MAX_M = 256
-NO_WGMMA_SMALL_MIN_WEIGHTS = 1 << 24
-# split-k target per token-group count: about this many blocks per SM in one launch. H200 sweeps (graph replay,
-# K=2, bench_exl3_gemm.py; NOTES.md v4): m=1 6 blocks/SM is best or tied on all 5 anchor shapes (4096x5120 11.2
-# vs 12.0 us at 3); m=64 2 is best on 3 of 5 and within 3% on the others; 2 and 4 groups keep v1's 3.
-BLOCKS_PER_SM: float | dict = {1: 6.0, 2: 3.0, 4: 3.0, 8: 2.0}
-# small variant from this many token groups of 8 on, on layers where every 128-column strip redoing the x'
-# Hadamard adds up to more than PREP_WORK (strips x k): x' = H(x ⊙ suh) is made once by a prep kernel instead.
-# H200 sweep (bench_exl3_gemm.py, NOTES.md v4): a gain on 4096x5120, 5120x4096, 5120x12288 at m >= 32; a tie or a
-# loss on 1152x5120 and 5120x1152 (46k). TWINSPARK_EXL3_GEMM_PREP=0|1 forces it off/on (benchmark sweeps).
-PREP_GROUPS = 4
-PREP_WORK = 98304
+# The variant table's thresholds (large_m, fused_max_m, no_wgmma_small_*), the small kernel's split-k target
+# (blocks_per_sm) and x' prep kernel (prep_groups, prep_work), the fused kernel's shape costs and stream-K limits
+# (fused_efficiency, sk_*), each with why: twinspark.ops.plans.Exl3Gemm. Experiments override them and force a
+# variant, prep, block shape or stream-K block count through $TWINSPARK_PLAN / plans.override("exl3_gemm.<key>=...").
 
 
 @dataclass(frozen=True)
@@ -82,43 +65,28 @@ VARIANTS = ("small", "fused", "large")
 
 
 # Fused kernel block shapes: id -> (columns, tokens, blocks per SM); cuda/exl3_gemm/fused_sm90.cuh. (A 256 x 128
-# shape lost to both at every anchor shape and was removed, NOTES.md v5 and v10.)
+# shape lost to both at every anchor shape and was removed, NOTES.md v5 and v10.) Their relative costs and when block
+# 0 runs stream-K (every SM gets the same share of the launch's tile x 64-row-chunk iterations; else k is split and
+# the epilogue sums fp32 partials): plans.Exl3Gemm fused_efficiency and sk_*.
 FUSED_BLOCKS = {0: (128, 256, 1), 2: (128, 128, 2)}
-# Relative cost of a block's columns x tokens of work by shape (2 x 128 x 128 blocks sharing an SM ran ~8% slower
-# than one 128 x 256 block on 5120x12288 and 5120x4096, H200).
-FUSED_EFFICIENCY = {0: 1.0, 2: 1.08}
-# Block 0 runs stream-K (every SM gets the same share of the launch's tile x 64-row-chunk iterations) when one
-# tile per block would leave more than 1 - SK_MAX_FILL of the SMs' time idle and there are at least SK_MIN_TILES
-# x SMs tiles: a tile's head block adds the other blocks' fp32 pieces one after another, so a tile should not be
-# spread much wider than 2 blocks. H200, m=256, K=2 (NOTES.md v10): 5120x12288 (96 tiles) 70.9 us vs 77.4 one tile
-# per block; 4096x5120 (40 tiles, 3.3 blocks per tile) 37.6 vs 28.9 with the k split. Else k is split (fp32
-# partials summed by the epilogue). TWINSPARK_EXL3_GEMM_SK_BLOCKS forces stream-K with that many blocks (0: off).
-SK_MIN_TILES = 0.5
-SK_MAX_FILL = 0.85
-# ... and when a tile is at least this many 64-row chunks deep: at m=512 (NOTES.md v10 item 8) stream-K took
-# 5120x12288 from 195.9 to 138.4 us and 4096x5120 from 63.8 to 55.8, but 1152x5120 (18 chunks) from 27.5 to 29.5.
-SK_MIN_TILE_CHUNKS = 32
-SK_MIN_CHUNKS = 4  # and >= this many 64-row chunks per block
-
 
 def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
     """(block, splits, chunks_per_split, stream_k) of the fused kernel; with stream_k, splits = its block count
-    (one per SM, each >= SK_MIN_CHUNKS chunks). Else k is split when the blocks would leave SMs idle, into at most
+    (one per SM, each >= sk_min_chunks chunks). Else k is split when the blocks would leave SMs idle, into at most
     as many parts as keep one round of blocks, each >= 4 chunks. The shape whose busiest SM gets the least work
-    wins. TWINSPARK_EXL3_GEMM_BLOCK=0|2 forces a shape (sweeps)."""
-    forced = os.environ.get("TWINSPARK_EXL3_GEMM_BLOCK", "")
-    sk = os.environ.get("TWINSPARK_EXL3_GEMM_SK_BLOCKS", "")
-    sk_blocks = int(sk) if sk.isdigit() else None  # forced stream-K block count; 0 = stream-K off
+    wins. The plan's exl3_gemm.block=0|2 forces a shape, exl3_gemm.sk_blocks a stream-K block count (sweeps)."""
+    t = plans.current().exl3_gemm
+    sk_blocks = t.sk_blocks  # forced stream-K block count (None: the table's choice); 0 = stream-K off
     chunks = k // 64
     best = None
-    for block in ((int(forced),) if forced in ("0", "2") else (0, 2)):
+    for block in ((t.block,) if t.block is not None else (0, 2)):
         cols, tokens, per_sm = FUSED_BLOCKS[block]
         blocks = math.ceil(n / cols) * math.ceil(m / tokens)
         iterations = blocks * chunks
         fill = blocks / (math.ceil(blocks / sms) * sms)
-        pays = blocks >= SK_MIN_TILES * sms and fill < SK_MAX_FILL and chunks >= SK_MIN_TILE_CHUNKS
+        pays = blocks >= t.sk_min_tiles * sms and fill < t.sk_max_fill and chunks >= t.sk_min_tile_chunks
         if block == 0 and (sk_blocks if sk_blocks is not None else pays):
-            splits = min(iterations, sk_blocks) if sk_blocks else max(1, min(sms, iterations // SK_MIN_CHUNKS))
+            splits = min(iterations, sk_blocks) if sk_blocks else max(1, min(sms, iterations // t.sk_min_chunks))
             cps, stream_k = chunks, True
             cost = math.ceil(iterations / splits) * math.ceil(splits / sms) * cols * tokens
         else:
@@ -126,7 +94,7 @@ def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
             cps, stream_k = math.ceil(chunks / splits), False
             splits = math.ceil(chunks / cps)
             cost = math.ceil(blocks * splits / sms) * cols * tokens * cps
-        cost *= FUSED_EFFICIENCY[block]
+        cost *= t.fused_efficiency[block]
         if best is None or cost < best[0]:
             best = (cost, block, splits, cps, stream_k)
     return best[1:]
@@ -134,13 +102,15 @@ def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
 
 def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None, fused: bool = False) -> Plan:
     """THE variant table: by m (decode vs prefill), device (``fused``: an sm_90 GPU with the sm_90a build) and
-    shape (split-k so one launch fills the GPU; the fused kernel's block shape)."""
-    variant = variant or os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
+    shape (split-k so one launch fills the GPU; the fused kernel's block shape). Its numbers, and a variant forced
+    for experiments (``variant`` here wins over it): ``plans.current().exl3_gemm``."""
+    t = plans.current().exl3_gemm
+    variant = variant or t.variant
     if not variant:
-        if m <= LARGE_M or (not fused and m <= NO_WGMMA_SMALL_MAX_M and k * n >= NO_WGMMA_SMALL_MIN_WEIGHTS):
+        if m <= t.large_m or (not fused and m <= t.no_wgmma_small_max_m and k * n >= t.no_wgmma_small_min_weights):
             variant = "small"
         else:
-            variant = "fused" if fused and m <= FUSED_MAX_M else "large"
+            variant = "fused" if fused and m <= t.fused_max_m else "large"
     if variant not in VARIANTS:
         raise ValueError(f"{OP}: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
     if variant == "fused" and not fused:
@@ -154,25 +124,25 @@ def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None,
     m_slice = min(m, M_SLICE)
     groups = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(m_slice / 8)))))
     strips, chunks = n // 128, k // 128
-    bps = BLOCKS_PER_SM[groups] if isinstance(BLOCKS_PER_SM, dict) else BLOCKS_PER_SM
-    splits = max(1, min(chunks, math.ceil(bps * sms / strips)))
+    splits = max(1, min(chunks, math.ceil(t.blocks_per_sm[groups] * sms / strips)))
     cps = math.ceil(chunks / splits)
-    forced = os.environ.get("TWINSPARK_EXL3_GEMM_PREP", "")
-    prep = forced == "1" if forced in ("0", "1") else groups >= PREP_GROUPS and strips * k >= PREP_WORK
+    prep = t.prep if t.prep is not None else groups >= t.prep_groups and strips * k >= t.prep_work
     return Plan("small", groups, math.ceil(chunks / cps), cps, m_slice, prep)
 
 
 _PLANS: dict[tuple, Plan] = {}
+_PLANS_OF: list = [None]  # the exl3_gemm table _PLANS was made with (a plans.override gets a cache of its own)
 
 
 def _cached_plan(m, k, n, K, sms, fused) -> Plan:
-    forced = os.environ.get("TWINSPARK_EXL3_GEMM_VARIANT")
-    key = (m, k, n, K, sms, fused, forced, os.environ.get("TWINSPARK_EXL3_GEMM_PREP"),
-           os.environ.get("TWINSPARK_EXL3_GEMM_BLOCK"), os.environ.get("TWINSPARK_EXL3_GEMM_SK_BLOCKS"),
-           BLOCKS_PER_SM if not isinstance(BLOCKS_PER_SM, dict) else None)
+    t = plans.current().exl3_gemm
+    if t is not _PLANS_OF[0]:
+        _PLANS.clear()
+        _PLANS_OF[0] = t
+    key = (m, k, n, K, sms, fused)
     p = _PLANS.get(key)
     if p is None:
-        p = _PLANS[key] = plan(m, k, n, K, sms, forced, fused)
+        p = _PLANS[key] = plan(m, k, n, K, sms, None, fused)
     return p
 
 

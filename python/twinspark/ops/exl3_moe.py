@@ -12,18 +12,22 @@ gate/up as a grouped EXL3 GEMM over (expert, rows) items and down with the weigh
 TWINSPARK_FORCE_REFERENCE=1) the reference in ``twinspark.reference.exl3_moe`` runs. Per-call scratch comes from
 the caching allocator; the only state kept between calls is a small counter buffer per (device, stream) that the
 kernels leave zero (``twinspark.ops.workspace``: make the first call outside graph capture).
+
+The launch switches (forced split-k, down sizing, early down, PDL, byte-sum, one-rate kernels, packed offsets, the
+4-per-SM kernels, the A region's fit and the shared memory sized for) are data: ``twinspark.ops.plans.Exl3Moe``, read
+through ``plans.current()`` (experiments: $TWINSPARK_PLAN or ``plans.override("exl3_moe.<key>=...")``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from twinspark import _ext
 from twinspark.exl3.reference import CODEBOOKS, HALF_RATES, WHOLE_RATES, words_per_tile
 from twinspark.moe_layout import Exl3MoeExperts, packed_strides
+from twinspark.ops import plans
 from twinspark.ops.sms import sm_count
 from twinspark.ops.workspace import capture_id, workspace
 from twinspark.reference import exl3_moe as _reference
@@ -35,14 +39,9 @@ MAX_EXPERTS = 4000  # the routing kernel counts in shared memory
 RATE_WORDS = tuple(sorted(words_per_tile(K) for K in WHOLE_RATES + HALF_RATES))  # the decode kernels per rate
 DECODE_MAX_PAIRS = 64  # T * top_k up to this: decode (2 launches: in-block routing, split-k, fused convert)
 MAX_ITEMS = 65535  # the kernels' grid y / z extent (exl3_moe.h)
-# TWINSPARK_EXL3_MOE_SMEM_PER_SM: from 100 KB (GB10, compute capability 12.x; every kernel launches there, full region
-# or not) to the H200's 228 KB
-SMEM_PER_SM_RANGE = (100 * 1024, 228 * 1024)
 GATE_UP_BLOCKS_PER_SM = 3  # the 16-row gate/up kernel's residency (80 registers x 256 threads; moe_gemm.cuh MINB)
 GATE_UP4_BLOCKS_PER_SM = 4  # mul1's one-rate gate/up kernels sized for 4 (64 registers), where the device holds 4
-# ... with an A region of this many k-blocks at least (_config: what was measured to win, NOTES.md v22)
-GATE_UP4_MIN_A_KB = 5
-DOWN4_MIN_A_KB = 7
+# ... with an A region of at least plans.Exl3Moe gate_up4_min_a_kb / down4_min_a_kb k-blocks (_config)
 
 
 def _check(x, topk_ids, topk_weights, experts: Exl3MoeExperts, activation: str, limit) -> None:
@@ -106,8 +105,8 @@ def _four_per_sm(index: int, down: bool, words: int, max_words: int, smem_per_sm
     """Whether mul1's one-rate decode kernel (gate/up, or down) of `words` words per tile, sized for 4 blocks per SM
     (64 registers), gets 4 on device `index` with an A region of min_a_kb k-blocks at least, its shared memory sized as
     a launch of a layer with max_words sizes it (the trellis ring). Asked of the extension (exl3_moe_four_per_sm),
-    nothing launched; once per configuration, off the hot path. TWINSPARK_EXL3_MOE_SMEM_PER_SM sizes it as on a device
-    with that much shared memory per SM (GB10: 102400)."""
+    nothing launched; once per configuration, off the hot path. smem_per_sm (the plan's exl3_moe.smem_per_sm) sizes
+    it as on a device with that much shared memory per SM (GB10: 102400)."""
     with torch.cuda.device(index):  # the query reads the current device
         held, a_kb = _ext.module().exl3_moe_four_per_sm(down, words, max_words, smem_per_sm, fit_smem)
     return held >= 4 and a_kb >= min_a_kb
@@ -119,7 +118,8 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     the bound on items the grids cover, whether the down kernel converts the output itself, and the blocks per SM
     the 16-row down kernel is sized for. gate_up_blocks: the decode gate/up kernel's blocks per SM (3, or 4 for
     mul1's one-rate kernels where the device holds 4: _config); down4: mul1's one-rate down kernel sized for 4 per SM
-    is there (_config)."""
+    is there (_config). The switches forced for experiments come from ``plans.current().exl3_moe``."""
+    t = plans.current().exl3_moe
     if gate_up_blocks not in (GATE_UP_BLOCKS_PER_SM, GATE_UP4_BLOCKS_PER_SM):
         raise ValueError(f"plan_launch: gate_up_blocks is {gate_up_blocks}, expected {GATE_UP_BLOCKS_PER_SM} or "
                          f"{GATE_UP4_BLOCKS_PER_SM} (the gate/up kernels' sizings)")
@@ -139,14 +139,11 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     blocks = max(1, min(pairs, num_experts)) * 2 * (inter // 128)
     base = gate_up_blocks if blocks <= sms else 3 if blocks <= 2 * sms else 2
     splitk = min(kblocks, base) if decode else 1
-    # Benchmark sweeps (bench_exl3_moe.py --sweep): TWINSPARK_EXL3_MOE_SPLITK=N forces N uniform parts, "Nm" N parts
-    # with the mixed split below on top.
-    forced = os.environ.get("TWINSPARK_EXL3_MOE_SPLITK", "").strip()
+    # Benchmark sweeps (bench_exl3_moe.py --sweep): the plan's exl3_moe.split_k=N forces N uniform parts, "Nm" N parts
+    # with the mixed split below on top (plans checks the value).
+    forced = t.split_k or ""
     mixed = forced.endswith("m")
     forced = forced.removesuffix("m")
-    if forced and not forced.isdigit():
-        raise ValueError(f"TWINSPARK_EXL3_MOE_SPLITK={os.environ['TWINSPARK_EXL3_MOE_SPLITK']!r} is not a part count "
-                         "(N, or Nm for N parts with the mixed split); unset it for the plan's own")
     if decode and forced:
         splitk = max(1, min(kblocks, int(forced)))
     splitk = _whole_parts(kblocks, splitk)
@@ -171,39 +168,27 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # mul1's one-rate down kernel at 4 per SM (64 registers) wherever 2 per SM is more than one wave (_config).
     down_grid = max_items * (hidden // 128)
     down_min_blocks = 4 if down4 and decode and down_grid > 2 * sms else 3 if down_grid > 4 * sms else 2
-    if os.environ.get("TWINSPARK_EXL3_MOE_DOWN_BLOCKS") in ("2", "3", "4"):  # benchmark sweeps (4: mul1, one rate)
-        down_min_blocks = int(os.environ["TWINSPARK_EXL3_MOE_DOWN_BLOCKS"])
+    if t.down_blocks is not None:  # benchmark sweeps: exl3_moe.down_blocks=2|3|4 (4: mul1, one rate)
+        down_min_blocks = t.down_blocks
     # mul1 items of <= 4 rows: the byte-sum mma (the tensor cores add each weight's product bytes; moe_gemm.cuh).
-    # TWINSPARK_EXL3_MOE_BYTESUM=0 keeps the fp16 decode (same-build A/B in bench_exl3_moe.py).
-    bytesum = _switch("TWINSPARK_EXL3_MOE_BYTESUM", True)
+    # exl3_moe.bytesum=0 keeps the fp16 decode (same-build A/B in bench_exl3_moe.py).
+    bytesum = t.bytesum
     # 16-row items: each down block waits for its own item's activations, not for the whole gate/up grid, where the
     # gate/up grid takes more than one wave (items finish in order: T=2 -5%, T=4 -2%, T=8 -1.5%, NOTES.md v13 item 1).
     # In one wave (decode with the mixed split above: T=1) every item finishes at about the same time, and down
     # blocks that start early only share SMs with the last gate/up blocks: waiting for the grid is faster there
     # (H200, same build, NOTES.md v16 item 9: T=1 34.6 / 38.2 / 35.8 us against 36.1 / 39.5 / 37.3 at K=2/3/4).
-    # TWINSPARK_EXL3_MOE_EARLY_DOWN=1 / 0 forces either.
+    # exl3_moe.early_down=1 / 0 forces either.
     one_wave = decode and short_groups > 0
-    early_down = mt == 1 and _switch("TWINSPARK_EXL3_MOE_EARLY_DOWN", not one_wave)
+    early_down = mt == 1 and (t.early_down if t.early_down is not None else not one_wave)
     # 16-row kernels: where the full A region would cost blocks per SM (GB10: 100 KB of shared memory per SM), a
-    # smaller one (moe_gemm.cuh fit_a_bytes). TWINSPARK_EXL3_MOE_SMEM_PER_SM=<bytes> sizes and holds the kernels as on
-    # a device with that much (GB10: 102400) on this one; TWINSPARK_EXL3_MOE_FIT_SMEM=0 keeps the full region (A/B).
+    # smaller one (moe_gemm.cuh fit_a_bytes). exl3_moe.smem_per_sm=<bytes> sizes and holds the kernels as on a device
+    # with that much (GB10: 102400) on this one; exl3_moe.fit_smem=0 keeps the full region (A/B).
     return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
                 small_route=decode, down_min_blocks=down_min_blocks,
                 gate_up_blocks=gate_up_blocks if decode else GATE_UP_BLOCKS_PER_SM, bytesum=bytesum,
                 early_down=early_down,
-                smem_per_sm=smem_per_sm_override(), fit_smem=_switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
-
-
-def smem_per_sm_override() -> int:
-    """TWINSPARK_EXL3_MOE_SMEM_PER_SM: 0 (unset) or the bytes of shared memory per SM to size the kernels for."""
-    value = os.environ.get("TWINSPARK_EXL3_MOE_SMEM_PER_SM", "").strip()
-    if not value:
-        return 0
-    if not value.isdigit() or not SMEM_PER_SM_RANGE[0] <= int(value) <= SMEM_PER_SM_RANGE[1]:
-        raise ValueError(f"TWINSPARK_EXL3_MOE_SMEM_PER_SM={value!r} is not a byte count from {SMEM_PER_SM_RANGE[0]} "
-                         f"to {SMEM_PER_SM_RANGE[1]}; set it to a device's shared memory per SM (GB10: 102400) or "
-                         "unset it")
-    return int(value)
+                smem_per_sm=t.smem_per_sm, fit_smem=t.fit_smem)
 
 
 def gate_up_pdl(capturing: bool) -> bool:
@@ -212,14 +197,9 @@ def gate_up_pdl(capturing: bool) -> bool:
     memory. H200 (cuda/exl3_moe/NOTES.md v17, launches queued ahead of the GPU): T=1 -4.0 / -4.2 / -4.5% at K=2/3/4,
     T=2 -2.5%, T=4 -1.5%. But such a call took 23-66 µs more host time in four comparisons (104-191 µs per call
     either way), and an eager decode call is host-bound (3-5x its GPU time): by default only calls captured into a
-    CUDA graph (vLLM's decode; the host pays once, at capture) use it. TWINSPARK_EXL3_MOE_PDL=1 / 0 forces either."""
-    return _switch("TWINSPARK_EXL3_MOE_PDL", capturing)
-
-
-def _switch(name: str, default: bool) -> bool:
-    """An on/off environment switch for A/B runs: "1" on, "0" off, anything else (or unset) `default`."""
-    value = os.environ.get(name, "")
-    return value == "1" if value in ("0", "1") else default
+    CUDA graph (vLLM's decode; the host pays once, at capture) use it. The plan's exl3_moe.pdl=1 / 0 forces either."""
+    forced = plans.current().exl3_moe.pdl
+    return capturing if forced is None else forced
 
 
 def _whole_parts(kblocks: int, parts: int) -> int:
@@ -228,11 +208,10 @@ def _whole_parts(kblocks: int, parts: int) -> int:
     return -(-kblocks // -(-kblocks // parts))
 
 
-def _four_wanted(switch: str, index: int, down: bool, words: int, sized: tuple, min_a_kb: int) -> bool:
+def _four_wanted(value: str, index: int, down: bool, words: int, sized: tuple, min_a_kb: int) -> bool:
     """Whether the plan takes mul1's one-rate kernel of `words` (0: none) at 4 blocks per SM: where the device holds
     4 with at least min_a_kb k-blocks of A region (_four_per_sm; `sized`: its max_words, smem_per_sm, fit_smem).
-    The switch: "0" never, "any" wherever 4 fit, whatever the region."""
-    value = os.environ.get(switch, "")
+    value (the plan's exl3_moe.gate_up4 / down4): "auto" that, "0" never, "any" wherever 4 fit, whatever the region."""
     return bool(words) and value != "0" and _four_per_sm(index, down, words, *sized, 0 if value == "any" else min_a_kb)
 
 
@@ -240,13 +219,14 @@ def _config(T: int, top_k: int, E: int, hidden: int, inter: int, index: int, max
             words2: int, codebook: str) -> tuple[dict, int, int]:
     """plan_launch's configuration for a call on device `index`, with the one-rate kernels' words13 / words2 as the
     launch passes them (0 where the kernels that dispatch on every expert's rate run)."""
+    t = plans.current().exl3_moe
     decode = T * top_k <= DECODE_MAX_PAIRS
     # Uniform rates, decode (<= DECODE_MAX_PAIRS pairs): the 16-row kernels compiled for that rate alone. H200, same
     # build (cuda/exl3_moe/NOTES.md v15): T=1 -2.3 / -1.7 / -4.5% at K=2/3/4, T=4 -2.9 / 0 / -2.6%; past decode K=3
     # lost (T=32 +2.2%, T=512 +3.0%), so routed calls keep the kernels that dispatch on every expert's rate. Re-measured
     # after the cheaper tile copies (v16 item 5): T=1 +0.6 / -2.5 / -1.9%, T=2 -1.2 / -2.4 / -2.3%, T=4-8 within 1.2%.
-    # TWINSPARK_EXL3_MOE_RATE_KERNELS=0: those everywhere (same-build A/B in bench_exl3_moe.py).
-    if not decode or not _switch("TWINSPARK_EXL3_MOE_RATE_KERNELS", True):
+    # exl3_moe.rate_kernels=0: those everywhere (same-build A/B in bench_exl3_moe.py).
+    if not decode or not t.rate_kernels:
         words13 = words2 = 0
     # mul1, one rate: the decode kernels sized for 4 blocks per SM where the device holds 4 with enough A region.
     # Gate/up, H200 against 3 per SM (bench/results/exl3_moe_v26_gate_up4_h200.log, exl3_moe_v27_down4_k56_h200.log):
@@ -256,13 +236,13 @@ def _config(T: int, top_k: int, E: int, hidden: int, inter: int, index: int, max
     # Down, past one wave at 2 per SM (T >= 2), against 2 or 3 (exl3_moe_v27_down4_k56_h200.log, K=2 / 3; K=4:
     # exl3_moe_v27_final_h200.log): T=2 +0.5 / -4.5 / -6.2%, T=4 -1.9 / -2.7 / -3.9%, T=8 -1.0 / -2.4 / -3.9% (regions of
     # 10 / 8 / 7 k-blocks).
-    # TWINSPARK_EXL3_MOE_GATE_UP4=0 / TWINSPARK_EXL3_MOE_DOWN4=0 keep 3 / 2-3; =any takes 4 wherever 4 fit, whatever
-    # the region (experiments, tests).
+    # exl3_moe.gate_up4=0 / exl3_moe.down4=0 keep 3 / 2-3; =any takes 4 wherever 4 fit, whatever the region
+    # (experiments, tests); the regions needed otherwise: exl3_moe.gate_up4_min_a_kb / down4_min_a_kb.
     gate_up4 = down4 = False
     if codebook == "mul1" and (words13 or words2):
-        sized = (max_words, smem_per_sm_override(), _switch("TWINSPARK_EXL3_MOE_FIT_SMEM", True))
-        gate_up4 = _four_wanted("TWINSPARK_EXL3_MOE_GATE_UP4", index, False, words13, sized, GATE_UP4_MIN_A_KB)
-        down4 = _four_wanted("TWINSPARK_EXL3_MOE_DOWN4", index, True, words2, sized, DOWN4_MIN_A_KB)
+        sized = (max_words, t.smem_per_sm, t.fit_smem)
+        gate_up4 = _four_wanted(t.gate_up4, index, False, words13, sized, t.gate_up4_min_a_kb)
+        down4 = _four_wanted(t.down4, index, True, words2, sized, t.down4_min_a_kb)
     gate_up_blocks = GATE_UP4_BLOCKS_PER_SM if gate_up4 else GATE_UP_BLOCKS_PER_SM
     return plan_launch(T, top_k, E, hidden, inter, sm_count(index), gate_up_blocks, down4), words13, words2
 
@@ -284,9 +264,9 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
     cfg, words13, words2 = _config(T, top_k, E, hidden, inter, index, max_words, words13, words2, codebook)
     # Both rates uniform: the layout is plan's packed one (Exl3MoeExperts checks), so those kernels compute where a
     # matrix starts instead of loading offsets[e] between routing and the first weight fetch (a cold round trip per
-    # block). TWINSPARK_EXL3_MOE_PACKED=0 loads it anyway (same-build A/B).
+    # block). exl3_moe.packed=0 loads it anyway (same-build A/B).
     e_stride, m_stride = (packed_strides(words13, words2, hidden, svh13.shape[-1])
-                          if _switch("TWINSPARK_EXL3_MOE_PACKED", True) else (0, 0))
+                          if plans.current().exl3_moe.packed else (0, 0))
     capturing = capture_id(dev)
     pdl = gate_up_pdl(capturing != 0)
     if cfg["max_items"] > MAX_ITEMS:

@@ -2,9 +2,9 @@
 
 By default a device's multiprocessor count. A stream of a green context (``torch.cuda.green_contexts``) runs on
 fewer SMs while the device still reports all of them, so plans made for the device's count would queue several
-waves there: inside ``limit(n)`` (or with ``TWINSPARK_SM_COUNT=n``) every plan is made for ``n`` SMs. Used by
-bench/bench_decode_step.py to run a GB10-sized GPU (48 SMs) on an H200. Plans are cached by SM count, so calls in
-and out of a limit never share one.
+waves there: inside ``limit(n)`` (or with ``TWINSPARK_SM_COUNT=n`` in the environment, read once per process) every
+plan is made for ``n`` SMs. Used by bench/bench_decode_step.py to run a GB10-sized GPU (48 SMs) on an H200. Plans are
+cached by SM count, so calls in and out of a limit never share one. (The plans' other inputs: ``twinspark.ops.plans``.)
 """
 
 from __future__ import annotations
@@ -35,15 +35,23 @@ def _checked(n, what: str) -> int:
     return value
 
 
+def from_env(environ=None) -> int | None:
+    """$TWINSPARK_SM_COUNT of ``environ`` (default: this process's environment) as a number of SMs; None when unset."""
+    env = (os.environ if environ is None else environ).get(ENV, "").strip()
+    return _checked(env, ENV) if env else None
+
+
+@functools.cache
+def _env_sms() -> int | None:
+    return from_env()  # once per process (an error is raised again at every call, not kept)
+
+
 def sm_count(index: int) -> int:
-    """The SM count plans on device ``index`` are made for: the innermost ``limit``, else $TWINSPARK_SM_COUNT,
-    else the device's own."""
+    """The SM count plans on device ``index`` are made for: the innermost ``limit``, else $TWINSPARK_SM_COUNT (read
+    once per process), else the device's own."""
     if _LIMITS:
         return _LIMITS[-1]
-    env = os.environ.get(ENV, "").strip()
-    if env:
-        return _checked(env, ENV)
-    return device_sms(index)
+    return _env_sms() or device_sms(index)
 
 
 @contextlib.contextmanager
@@ -57,4 +65,4 @@ def limit(n: int):
         _LIMITS.pop()
 
 
-__all__ = ["ENV", "device_sms", "limit", "sm_count"]
+__all__ = ["ENV", "device_sms", "from_env", "limit", "sm_count"]
