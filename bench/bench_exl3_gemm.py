@@ -10,9 +10,7 @@ Writes exl3_gemm.json (benchkit) and exl3_gemm.png (time vs m per shape with bf1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -21,13 +19,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import benchkit as bk  # noqa: E402
 from twinspark.exl3.layer import Exl3Layer, random_layer  # noqa: E402
-from twinspark.ops import exl3_gemm  # noqa: E402
-from twinspark.ops.exl3_gemm import LARGE_M, M_SLICE, fused_available, plan  # noqa: E402
+from twinspark.ops import exl3_gemm, plans  # noqa: E402
+from twinspark.ops.exl3_gemm import M_SLICE, fused_available, plan  # noqa: E402
 
 SHAPES = ((1152, 5120), (5120, 1152), (4096, 5120), (5120, 4096), (5120, 12288))
 KS = (2, 3, 4)
 MS = (1, 4, 16, 64, 256, 1024)
-CROSSOVER_MS = (32, 128)  # every variant timed here to place LARGE_M (and fused vs large at m >= 256)
+CROSSOVER_MS = (32, 128)  # every variant timed here to place large_m (and fused vs large at m >= 256)
+LARGE_M = plans.current().exl3_gemm.large_m  # the table's (with $TWINSPARK_PLAN applied)
 
 # ---------------------------------------------------------------------------------------------------- timing
 def _layers(k, n, K, dev, gen, codebook="mul1"):
@@ -39,32 +38,21 @@ def _layers(k, n, K, dev, gen, codebook="mul1"):
     return [Exl3Layer(t, base.suh, base.svh, float(K), codebook) for (t,) in ring], ring.bytes_per_set
 
 
-@contextlib.contextmanager
-def _env(**values):
-    """Set TWINSPARK_EXL3_GEMM_<NAME> variables (None: leave as is) for the duration; restore them after."""
-    keys = {f"TWINSPARK_EXL3_GEMM_{k.upper()}": v for k, v in values.items() if v is not None}
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _plan(**values):
+    """exl3_gemm's plan keys (None: leave as is) for the duration (twinspark.ops.plans.override)."""
+    return plans.override(",".join(f"exl3_gemm.{k}={v}" for k, v in values.items() if v is not None))
 
 
-def _time(layers, x, out, variant=None, iters=30, prep=None):
-    with _env(variant=variant, prep=prep):
+def _time(layers, x, out, variant=None, iters=30, prep=None, bps=None):
+    with _plan(variant=variant, prep=prep, blocks_per_sm=bps):
         return bk.time_cuda(lambda L: exl3_gemm(x, L, out=out), args=[(L,) for L in layers], warmup=5,
                             iters=iters)
 
 
-def _time_graph(layers, x, out, variant=None, replays=7, prep=None) -> float:
+def _time_graph(layers, x, out, variant=None, replays=7, prep=None, bps=None) -> float:
     """µs per call with the host out of the picture: one CUDA graph holding a call per ring entry (L2-cold),
     replayed; median replay time / calls."""
-    with _env(variant=variant, prep=prep):
+    with _plan(variant=variant, prep=prep, blocks_per_sm=bps):
         exl3_gemm(x, layers[0], out=out)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -98,6 +86,7 @@ def main(argv=None) -> int:
     fused = fused_available(dev)
     large_variants = ["fused", "large"] if fused else ["large"]
     print(f"copy ceiling {copy:.0f} GB/s on {torch.cuda.get_device_name()} ({sms} SMs)", flush=True)
+    print(f"plan: {plans.changes() or 'the defaults'} (twinspark.ops.plans, $TWINSPARK_PLAN)", flush=True)
     dense: dict[tuple[int, int, int], float] = {}
     records: list[bk.Record] = []
     hdr = (f"{'k':>5} {'n':>6} {'K':>2} {'m':>5} {'var':>5} {'us':>8} {'GB/s':>7} {'%copy':>6} {'upstr':>7} "
@@ -112,7 +101,7 @@ def main(argv=None) -> int:
                 chosen_plan = plan(m, k, n, K, sms, fused=fused)
                 chosen = chosen_plan.variant
                 variants = [chosen] if m not in CROSSOVER_MS else ["small"] + large_variants
-                if m >= 256 and fused:  # both prefill variants, to place FUSED_MAX_M
+                if m >= 256 and fused:  # both prefill variants, to place fused_max_m
                     variants = [chosen] + [v for v in large_variants if v != chosen]
                 if (k, n, m) not in dense and m in ms:
                     dense[(k, n, m)] = bk.bf16_dense_us(m, k, n, device=dev)
@@ -179,43 +168,35 @@ def gb10_prefill(records) -> list[str]:
 
 
 def sweep_split(dev, gen, copy, codebook="mul1") -> list[bk.Record]:
-    """K=2: time vs the split-k target (blocks per SM) at m=1 and 64 — the table's BLOCKS_PER_SM comes from
-    this — and with x' made per strip vs by the prep kernel at m=16, 32, 64 (PREP_GROUPS)."""
-    og = sys.modules["twinspark.ops.exl3_gemm"]  # (the package attribute of that name is the function)
-
+    """K=2: time vs the split-k target (blocks per SM) at m=1 and 64 — the table's blocks_per_sm comes from
+    this — and with x' made per strip vs by the prep kernel at m=16, 32, 64 (prep_groups)."""
     recs = []
-    keep = og.BLOCKS_PER_SM
     print("\nsplit-k sweep, K=2 (blocks per SM target: eager us / graph us)", flush=True)
-    try:
-        for k, n in SHAPES:
-            layers, tbytes = _layers(k, n, 2, dev, gen, codebook)
-            for m in (1, 64):
-                x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
-                out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-                row = []
-                for bps in (1, 2, 3, 6):
-                    og.BLOCKS_PER_SM = bps
-                    t = _time(layers, x, out, "small", iters=20)
-                    tg = _time_graph(layers, x, out, "small", replays=5)
-                    row.append(f"{bps}:{t.median_us:.1f}/{tg:.1f}")
-                    recs.append(bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": 2, "m": m}, timing=t,
-                                          bytes=tbytes, variant=f"small bps={bps} (sweep)"))
-                print(f"{k}x{n} m={m}: " + "  ".join(row), flush=True)
-            og.BLOCKS_PER_SM = keep
-            for m in (16, 32, 64):  # x' per strip (prep 0) vs once by the prep kernel (prep 1): PREP_GROUPS
-                x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
-                out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-                row = []
-                for prep in ("0", "1"):
-                    t = _time(layers, x, out, "small", iters=20, prep=prep)
-                    tg = _time_graph(layers, x, out, "small", replays=5, prep=prep)
-                    row.append(f"prep={prep}:{t.median_us:.1f}/{tg:.1f}")
-                    recs.append(bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": 2, "m": m}, timing=t,
-                                          bytes=tbytes, variant=f"small prep={prep} (sweep)"))
-                print(f"{k}x{n} m={m}: " + "  ".join(row), flush=True)
-            del layers
-    finally:
-        og.BLOCKS_PER_SM = keep
+    for k, n in SHAPES:
+        layers, tbytes = _layers(k, n, 2, dev, gen, codebook)
+        for m in (1, 64):
+            x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+            row = []
+            for bps in (1, 2, 3, 6):
+                t = _time(layers, x, out, "small", iters=20, bps=bps)
+                tg = _time_graph(layers, x, out, "small", replays=5, bps=bps)
+                row.append(f"{bps}:{t.median_us:.1f}/{tg:.1f}")
+                recs.append(bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": 2, "m": m}, timing=t,
+                                      bytes=tbytes, variant=f"small bps={bps} (sweep)"))
+            print(f"{k}x{n} m={m}: " + "  ".join(row), flush=True)
+        for m in (16, 32, 64):  # x' per strip (prep 0) vs once by the prep kernel (prep 1): prep_groups
+            x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+            row = []
+            for prep in ("0", "1"):
+                t = _time(layers, x, out, "small", iters=20, prep=prep)
+                tg = _time_graph(layers, x, out, "small", replays=5, prep=prep)
+                row.append(f"prep={prep}:{t.median_us:.1f}/{tg:.1f}")
+                recs.append(bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": 2, "m": m}, timing=t,
+                                      bytes=tbytes, variant=f"small prep={prep} (sweep)"))
+            print(f"{k}x{n} m={m}: " + "  ".join(row), flush=True)
+        del layers
     return recs
 
 

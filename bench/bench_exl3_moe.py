@@ -8,10 +8,10 @@ weights come from DRAM: the layer's experts are 1.3-3.4 GB, far past the 60 MB L
 experts a call routes to, averaged over the ring), the upstream H200 anchor, and the baseline "reconstruct the
 touched experts (twinspark exl3_reconstruct) + torch matmuls" timed in the same run (its routing bookkeeping is
 done on the host outside the timed region: that favours the baseline). Then the targets and a GB10 prediction.
-gate/up is launched as in a CUDA graph (programmatic dependent launch) unless TWINSPARK_EXL3_MOE_PDL is set.
+gate/up is launched as in a CUDA graph (programmatic dependent launch) unless $TWINSPARK_PLAN sets exl3_moe.pdl.
 Each line shows the two kernels' blocks per SM (gate/up / down). At T=1 the prediction is also made from the time
 with the kernels sized and held as GB10's 100 KB of shared memory per SM would hold them (time_at_gb10_residency;
-TWINSPARK_EXL3_MOE_SMEM_PER_SM=102400 runs the whole benchmark that way).
+TWINSPARK_PLAN=exl3_moe.smem_per_sm=102400 runs the whole benchmark that way).
 Writes exl3_moe.json (benchkit) and exl3_moe.png (µs per layer vs T for each K, with the upstream anchors, the
 baseline and the targets).
 
@@ -22,7 +22,6 @@ baseline and the targets).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import benchkit as bk  # noqa: E402
 from twinspark import moe_layout as ml  # noqa: E402
 from twinspark.exl3.reference import hadamard_128  # noqa: E402
-from twinspark.ops import exl3_moe, exl3_reconstruct  # noqa: E402
+from twinspark.ops import exl3_moe, exl3_reconstruct, plans  # noqa: E402
 from twinspark.ops.exl3_moe import kernel_residency, launch_plan  # noqa: E402
 
 E, H, INTER, TOP_K = 384, 5120, 1152, 6
@@ -125,7 +124,7 @@ class Baseline:
 def time_graph(ex, ring, replays: int = 7) -> float:
     """µs per layer with the host out of the picture, as vLLM's decode runs it: one CUDA graph holding a call per
     ring entry (fresh expert sets: L2-cold), replayed; the median replay / calls. Captured calls launch gate/up with
-    programmatic dependent launch unless TWINSPARK_EXL3_MOE_PDL=0 (ops/exl3_moe.py gate_up_pdl)."""
+    programmatic dependent launch unless the plan says exl3_moe.pdl=0 (ops/exl3_moe.py gate_up_pdl)."""
     exl3_moe(*ring[0], ex)  # the per-stream counters are made outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -139,20 +138,16 @@ def time_graph(ex, ring, replays: int = 7) -> float:
 
 def time_at_gb10_residency(ex, ring, iters: int) -> tuple[float, str]:
     """µs per layer here with the kernels' shared memory sized and held as on GB10 (benchkit.GB10_SMEM_PER_SM per SM;
-    TWINSPARK_EXL3_MOE_SMEM_PER_SM, ops/exl3_moe.py), and their blocks per SM: the time the GB10 prediction should
-    scale, since there shared memory, not registers, can decide how many blocks share an SM."""
-    var = "TWINSPARK_EXL3_MOE_SMEM_PER_SM"
-    os.environ[var] = str(bk.GB10_SMEM_PER_SM)
-    try:
+    the plan's exl3_moe.smem_per_sm), and their blocks per SM: the time the GB10 prediction should scale, since there
+    shared memory, not registers, can decide how many blocks share an SM."""
+    with plans.override(f"exl3_moe.smem_per_sm={bk.GB10_SMEM_PER_SM}"):
         t = bk.time_cuda(lambda x, ids, w: exl3_moe(x, ids, w, ex), args=ring, warmup=3, iters=iters)
         res = "/".join(map(str, kernel_residency(*ring[0], ex)))
-    finally:
-        del os.environ[var]
     return t.median_us, res
 
 
 def sweep(dev, gen) -> None:
-    """Decode time at each gate/up split-k (TWINSPARK_EXL3_MOE_SPLITK), K=3: what plan_launch should pick."""
+    """Decode time at each gate/up split-k (the plan's exl3_moe.split_k), K=3: what plan_launch should pick."""
     ex = make_experts(3.0, dev)
     print("\nsplit-k sweep (K=3, us per layer):")
     for T in (1, 2, 4, 8):
@@ -162,11 +157,8 @@ def sweep(dev, gen) -> None:
             ring.append((torch.randn(T, H, device=dev, generator=gen).bfloat16(), ids, w))
         row = []
         for s in (1, 2, 3, 4, 5, 8, 10, 20):
-            os.environ["TWINSPARK_EXL3_MOE_SPLITK"] = str(s)
-            try:
+            with plans.override(f"exl3_moe.split_k={s}"):
                 t = bk.time_cuda(lambda x, ids, w, ex=ex: exl3_moe(x, ids, w, ex), args=ring, warmup=3, iters=5)
-            finally:
-                os.environ.pop("TWINSPARK_EXL3_MOE_SPLITK", None)
             row.append(f"s={s}: {t.median_us:6.1f}")
         print(f"  T={T}: " + "  ".join(row), flush=True)
     del ex
@@ -198,12 +190,12 @@ def main(argv=None) -> int:
         return 0
     # gate/up launches with programmatic dependent launch where vLLM runs decode, inside CUDA graphs (eager calls
     # launch it plainly: ops/exl3_moe.py). This benchmark launches eagerly but queues each sample's calls ahead of the
-    # GPU (benchkit.time_cuda), so it times the graph configuration unless TWINSPARK_EXL3_MOE_PDL is set.
-    os.environ.setdefault("TWINSPARK_EXL3_MOE_PDL", "1")
-    print(f"gate/up programmatic dependent launch: TWINSPARK_EXL3_MOE_PDL={os.environ['TWINSPARK_EXL3_MOE_PDL']}")
-    for var in ("TWINSPARK_EXL3_MOE_SMEM_PER_SM", "TWINSPARK_EXL3_MOE_FIT_SMEM"):
-        if os.environ.get(var):
-            print(f"{var}={os.environ[var]} (shared memory sized as on such a device: ops/exl3_moe.py plan_launch)")
+    # GPU (benchkit.time_cuda), so it times the graph configuration unless $TWINSPARK_PLAN sets exl3_moe.pdl.
+    if plans.current().exl3_moe.pdl is None:
+        plans.use("exl3_moe.pdl=1")
+    print(f"gate/up programmatic dependent launch: exl3_moe.pdl={plans.text(plans.current().exl3_moe.pdl)}")
+    print(f"plan: {plans.changes()} (twinspark.ops.plans; exl3_moe.smem_per_sm / fit_smem: shared memory sized as on "
+          "such a device, ops/exl3_moe.py plan_launch)")
     dev = torch.device("cuda")
     copy = bk.copy_ceiling_gbps(dev)
     anchors = bk.load_anchors()
@@ -257,7 +249,7 @@ def main(argv=None) -> int:
                          f"{bk.gbps(nbytes, pred['bounded_us']):.0f} GB/s (bandwidth floor {pred['bw_floor_us']:.1f}, "
                          f"decode {pred['decode_us']:.1f}); naive {pred['naive_us']:.1f} us = "
                          f"{bk.gbps(nbytes, pred['naive_us']):.0f} GB/s; published {GB10_PUBLISHED_GBPS:.0f} GB/s")
-                if not os.environ.get("TWINSPARK_EXL3_MOE_SMEM_PER_SM"):
+                if not plans.current().exl3_moe.smem_per_sm:
                     t10, res10 = time_at_gb10_residency(ex, ring, args.iters)
                     p10 = bk.predict_gb10_us(nbytes, t10, copy, launches=2)
                     rec.notes += f"; gb10_residency_us={t10:.1f} gb10_residency_bounded_us={p10['bounded_us']:.1f}"

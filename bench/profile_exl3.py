@@ -6,10 +6,11 @@
 
 Random data (trellis, scales, x, routing), the same builders as the benchmarks; nothing is timed here.
 --kernels: no ncu needed; torch.profiler (CUPTI) prints each kernel's mean GPU µs per call instead (gemm: also
-bf16 dense x @ W of the same shape). Pick a GEMM path with TWINSPARK_EXL3_GEMM_VARIANT=small|fused|large.
+bf16 dense x @ W of the same shape). Pick a GEMM path with TWINSPARK_PLAN=exl3_gemm.variant=small|fused|large
+(any key of twinspark.ops.plans, comma-separated: the plan the op launches with).
 Kernels launched with programmatic dependent launch count their wait for the kernel before them.
 
-    TWINSPARK_EXL3_GEMM_VARIANT=large python bench/profile_exl3.py gemm --m 1024 --kernels
+    TWINSPARK_PLAN=exl3_gemm.variant=large python bench/profile_exl3.py gemm --m 1024 --kernels
 
 moe --trace: the per-block timeline of one layer (a TWINSPARK_TRACE=1 build; cuda/common/trace.cuh).
 --host: the host's µs per call (what eager, graph-less decode pays to launch a layer), e.g. --calls 200.

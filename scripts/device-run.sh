@@ -2,7 +2,7 @@
 # One-call recipe for the lent GPU machine (the `run` tool): build, GPU tests, benchmarks, logs under $OUT.
 #
 #   scripts/device-run.sh [-t "tests/test_a.py tests/test_b.py"] [-k PYTEST_K] [-b "exl3 moe"] [-B "bench args"]
-#                         [--no-build] [--archs 90a] [--ab .ab/base | --env-ab VAR | --env-sets "A=1 B=2|A=0"]
+#                         [--no-build] [--archs 90a] [--ab .ab/base | --env-ab KEY | --env-sets "A=1 B=2|A=0"]
 #                         [--ab-rounds 2] [--trace "K,T K,T ..."]
 #
 #   -t  test files/node ids for `pytest -m gpu` (default: none; "all" = tests/test_*.py)
@@ -12,10 +12,14 @@
 #       they are built beside this tree in the same call, and each -b benchmark (needs -B) runs on every tree,
 #       alternating "new" and each DIR for --ab-rounds rounds; all land in $OUT/bench.log under
 #       "== new <round>" and "== <basename of DIR> <round>"
-#   --env-ab VAR  same-build A/B of a switch read from the environment: each -b benchmark (needs -B) runs with VAR=1
-#       ("new") and VAR=0 ("base"), alternating for --ab-rounds rounds, under the same "== new|base <round>" headers
+#   --env-ab KEY  same-build A/B of an on/off switch: KEY is a launch-plan key (twinspark.ops.plans, e.g.
+#       exl3_moe.bytesum; run with TWINSPARK_PLAN=KEY=1 "new" and KEY=0 "base", appended to any TWINSPARK_PLAN
+#       given) or an environment variable (upper case, set to 1 and 0); each -b benchmark (needs -B) alternates the
+#       two for --ab-rounds rounds, under the same "== new|base <round>" headers
 #   --env-sets "SETS"  same-build comparison of several environments: SETS is '|'-separated, each a space-separated
-#       list of VAR=VALUE; every round runs each -b benchmark (needs -B) once per set, under "== set<i> <round> (SET)"
+#       list of VAR=VALUE; every round runs each -b benchmark (needs -B) once per set, under "== set<i> <round> (SET)".
+#       Plan keys go in TWINSPARK_PLAN, comma-separated: --env-sets "TWINSPARK_PLAN=exl3_moe.pdl=1|TWINSPARK_PLAN=
+#       exl3_moe.pdl=0,exl3_moe.split_k=3" (without the line break); each set's plan is checked before the build
 #   --trace "K,T ..."  last of all: rebuild with the per-block marks (TWINSPARK_TRACE=1; it replaces the release build
 #       installed here), run the trace-marks GPU test, then bench/profile_exl3.py moe --trace at each (K, T): the
 #       per-block timeline of one MoE layer, in $OUT/trace.log
@@ -51,6 +55,29 @@ for kt in $TRACE; do
     exit 2
   fi
 done
+# Plan keys and TWINSPARK_PLAN values are checked here, before anything is built (the source tree's parser).
+check_plan() {
+  PYTHONPATH=python python3 -c "from twinspark.ops import plans
+try:
+    plans.from_env()
+except ValueError as e:
+    print(e)" 2>&1 | tail -1
+}
+if [[ "$ENV_AB" =~ ^[a-z0-9_]+\.[a-z0-9_]+$ ]]; then
+  err=$(TWINSPARK_PLAN="${TWINSPARK_PLAN:+$TWINSPARK_PLAN,}$ENV_AB=1" check_plan)
+  [ -z "$err" ] || { echo "device-run.sh: --env-ab $ENV_AB: $err" >&2; exit 2; }
+elif [ -n "$ENV_AB" ] && ! [[ "$ENV_AB" =~ ^[A-Z_][A-Z0-9_]*$ ]]; then
+  echo "device-run.sh: --env-ab takes a plan key such as exl3_moe.bytesum or an environment variable name, got $ENV_AB" >&2
+  exit 2
+fi
+if [ -n "$ENV_SETS" ]; then
+  IFS='|' read -r -a sets <<<"$ENV_SETS"
+  for set in "${sets[@]}"; do
+    # shellcheck disable=SC2086
+    err=$(export $set; check_plan)
+    [ -z "$err" ] || { echo "device-run.sh: --env-sets \"$set\": $err" >&2; exit 2; }
+  done
+fi
 status=0
 fail() { [ $status -eq 0 ] && status=$1; }
 
@@ -126,13 +153,21 @@ if [ -n "$BENCH" ]; then
     done
   elif [ -n "$ENV_AB" ]; then
     [ -n "$BENCH_ARGS" ] || { echo "device-run.sh: --env-ab needs -B \"ARGS\"" >&2; exit 2; }
+    if [[ "$ENV_AB" == *.* ]]; then  # a plan key: appended to the TWINSPARK_PLAN given (a later item wins)
+      plan0="${TWINSPARK_PLAN:+$TWINSPARK_PLAN,}" had_plan="${TWINSPARK_PLAN+1}" keep_plan="${TWINSPARK_PLAN-}"
+      ab_set() { export TWINSPARK_PLAN="$plan0$ENV_AB=$1"; }
+      ab_unset() { if [ -n "$had_plan" ]; then export TWINSPARK_PLAN="$keep_plan"; else unset TWINSPARK_PLAN; fi; }
+    else
+      ab_set() { export "$ENV_AB=$1"; }
+      ab_unset() { unset "$ENV_AB"; }
+    fi
     for r in $(seq "$AB_ROUNDS"); do
       echo "== new $r ($BENCH, $ENV_AB=1)" | tee -a "$OUT/bench.log"
-      export "$ENV_AB=1"; run_bench_files . "$OUT/bench/new"
+      ab_set 1; run_bench_files . "$OUT/bench/new"
       echo "== base $r ($BENCH, $ENV_AB=0)" | tee -a "$OUT/bench.log"
-      export "$ENV_AB=0"; run_bench_files . "$OUT/bench/base"
+      ab_set 0; run_bench_files . "$OUT/bench/base"
     done
-    unset "$ENV_AB"
+    ab_unset
   elif [ -n "$ENV_SETS" ]; then
     [ -n "$BENCH_ARGS" ] || { echo "device-run.sh: --env-sets needs -B \"ARGS\"" >&2; exit 2; }
     IFS='|' read -r -a sets <<<"$ENV_SETS"

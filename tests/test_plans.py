@@ -108,6 +108,10 @@ def test_environment_is_read_once_and_override_nests():
     with pytest.raises(RuntimeError), plans.override("exl3_moe.pdl=0"):
         raise RuntimeError
     assert plans.current() is base
+    with plans.override("exl3_moe.pdl=0") as inner:  # use(): for the rest of the run (here: of the override)
+        assert plans.use("exl3_moe.split_k=2") is inner
+        assert (plans.current().exl3_moe.split_k, plans.current().exl3_moe.pdl) == ("2", False)
+    assert plans.current() is base
 
 
 def test_sm_count_override(monkeypatch):

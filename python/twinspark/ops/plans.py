@@ -10,6 +10,7 @@ Override syntax (``$TWINSPARK_PLAN``, ``override()``, ``parse()``): comma-separa
     TWINSPARK_PLAN="exl3_moe.split_k=3,exl3_gemm.sk_blocks=0" python bench/bench_exl3_moe.py --quick
     with plans.override("exl3_moe.pdl=1"):   # in-process (tests, benchmark sweeps); process-wide, not per thread
         ...
+    plans.use("exl3_moe.pdl=1")              # the same for the rest of the process (a benchmark's own default)
 
 A later item for the same key wins (so a script can append to a user's plan). ``auto`` gives a forcing key back to
 the table. An unknown key or a value a key does not take is refused with one sentence naming the key and what it
@@ -318,6 +319,16 @@ def current() -> Plans:
     return p
 
 
+def use(spec: str) -> Plans:
+    """From now on (until another ``use`` or the end of an enclosing ``override``), ``current()`` is
+    ``parse(spec, current())``; returns the plans it replaced. For scripts that set their own default for the whole
+    run (bench_exl3_moe.py: exl3_moe.pdl=1 unless $TWINSPARK_PLAN says otherwise); elsewhere prefer ``override``."""
+    global _current
+    before = current()
+    _current = parse(spec, before, "plan override")
+    return before
+
+
 @contextlib.contextmanager
 def override(spec: str = "", base: Plans | None = None) -> Iterator[Plans]:
     """Inside, ``current()`` is ``parse(spec, base)`` (base: ``current()``; ``DEFAULT`` ignores $TWINSPARK_PLAN).
@@ -333,4 +344,4 @@ def override(spec: str = "", base: Plans | None = None) -> Iterator[Plans]:
 
 
 __all__ = ["DEFAULT", "ENV", "Exl3Gemm", "Exl3Moe", "PlanError", "Plans", "changes", "current", "from_env", "keys",
-           "override", "parse", "text"]
+           "override", "parse", "text", "use"]
