@@ -61,8 +61,11 @@ def vllm_argv(s: Settings, rank: str, model_dir: str) -> list[str]:
 
 
 def rank_env(s: Settings, rank: str) -> dict[str, str]:
-    """Per-rank fabric variables (NCCL/GLOO interface, HCA, GID index, VLLM_HOST_IP), the memory hooks' settings,
-    plus the user's extras."""
+    """Per-rank fabric variables (NCCL/GLOO interface, HCA, GID index, VLLM_HOST_IP), the head's health file
+    (TWINSPARK_HEALTH_FILE), the memory hooks' settings (TWINSPARK_DROP_PAGE_CACHE, _MODEL_DIR, _RELEASE_TOKENS,
+    _RELEASE_BELOW_GIB, _LONG_PREFILL_TOKENS: twinspark.memory.hooks), the Engram tables' (TWINSPARK_ENGRAM_*), plus
+    the user's extras (vllm_env / head_env / worker_env: e.g. TWINSPARK_PLAN or TWINSPARK_FORCE_REFERENCE reach the
+    ranks that way)."""
     ip, ifname, hcas, gid = (
         (s.head_ip, s.head_ifname, s.head_hcas, s.head_gid_index) if rank == "head"
         else (s.worker_ip, s.worker_ifname, s.worker_hcas, s.worker_gid_index)

@@ -3,7 +3,11 @@ allocator release between long prefill chunks, optional page-cache drop after th
 
 The hooks wrap methods of vLLM's worker classes, so they are tied to the vLLM version they were written for:
 install() refuses any other version at start-up with a clear message (TWINSPARK_MEMORY_HOOKS=0 starts without
-them)."""
+them).
+
+Internal variables, set for every rank by the deploy suite (twinspark.deploy.vllm_args.rank_env):
+TWINSPARK_DROP_PAGE_CACHE=1 drops the page cache of the model's files (TWINSPARK_MODEL_DIR) once the weights are
+loaded; the release policy's thresholds (twinspark.memory.policy.ReleasePolicy.from_env)."""
 
 from __future__ import annotations
 

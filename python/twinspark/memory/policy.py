@@ -25,7 +25,9 @@ class ReleasePolicy:
     @classmethod
     def from_env(cls, env=os.environ) -> ReleasePolicy:
         """TWINSPARK_CHUNK_LOG_TOKENS, TWINSPARK_RELEASE_TOKENS, TWINSPARK_RELEASE_BELOW_GIB,
-        TWINSPARK_LONG_PREFILL_TOKENS (the deploy suite sets them from the recipe)."""
+        TWINSPARK_LONG_PREFILL_TOKENS, each the field's default when unset. Internal: the deploy suite sets the last
+        three for every rank from the recipe (twinspark.deploy.vllm_args.rank_env); the chunk-log threshold keeps
+        its default there (tests lower it)."""
         d = cls()
         get = lambda k, v: type(v)(env.get(k, v))  # noqa: E731
         return cls(get("TWINSPARK_CHUNK_LOG_TOKENS", d.chunk_log_tokens),
