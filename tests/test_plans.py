@@ -186,11 +186,16 @@ def _new(spec: str, switches: dict):
     return plans.override(spec, base=plans.DEFAULT)
 
 
+def _new_gemm(spec: str, switches: dict):
+    # fused_min_sms (issue 43) came after BEFORE: at 1 every SM count may take the fused kernel, as then
+    return plans.override(",".join(filter(None, ("exl3_gemm.fused_min_sms=1", spec))), base=plans.DEFAULT)
+
+
 def _gemm_records(plan, forced=None) -> list:
     """(spec, m, k, n, sms, fused, Plan) over the grid; forced(spec, switches): the context each case set runs in."""
     out = []
     for spec, switches in GEMM_FORCED:
-        with (forced or _new)(spec, switches):
+        with (forced or _new_gemm)(spec, switches):
             out += [(spec, m, k, n, s, fused, dataclasses.astuple(plan(m, k, n, 3, s, None, fused))) for m in GEMM_MS
                     for k, n in GEMM_SHAPES for s in (48, 132) for fused in (False, True)]
     return out
@@ -286,3 +291,13 @@ def test_plans_match_the_old_code_case_by_case(monkeypatch):
         for a, b in zip(old, new):
             assert a == b, f"{name} plan differs: {a} before, {b} now"
         assert _digest(old) == digest, f"{name}: {_digest(old)}"
+
+
+def test_fused_gemm_only_where_the_plan_has_enough_sms():
+    """Plans made for fewer than fused_min_sms SMs (a 48-SM green context, bench_prefill.py) take the large path where
+    the whole GPU takes the fused kernel (m = 65 ... 512 on sm_90)."""
+    with plans.override("", base=plans.DEFAULT):
+        for m in (65, 256, 512):
+            assert gemm_plan(m, 5120, 1152, 3, 132, None, True).variant == "fused"
+            assert gemm_plan(m, 5120, 1152, 3, 48, None, True).variant == "large"
+        assert gemm_plan(64, 5120, 1152, 3, 48, None, True).variant == "small"

@@ -34,7 +34,7 @@ void bind_exl3_moe(py::module_& m) {
          bool x_bf16, int mt, int splitk, int short_groups, int max_items, int down_min_blocks, bool fuse_convert,
          bool small_route, bool bytesum, bool early_down, bool pdl, std::uintptr_t stream, std::uintptr_t trace,
          std::uintptr_t residency, int smem_per_sm, bool fit_smem, int64_t e_stride, int64_t m_stride,
-         int gate_up_min_blocks) {
+         int gate_up_min_blocks, bool prep_a) {
         using twinspark::ptr;
         twinspark::Exl3MoeArgs a{};
         a.x = ptr<const void>(x);
@@ -80,6 +80,7 @@ void bind_exl3_moe(py::module_& m) {
         a.residency = ptr<int>(residency);
         a.smem_per_sm = smem_per_sm;
         a.fit_smem = fit_smem;
+        a.prep_a = prep_a;
         twinspark::check_launch(twinspark::exl3_moe(a, twinspark::stream(stream)), "exl3_moe");
       },
       py::arg("x"), py::arg("ids"), py::arg("topk_w"), py::arg("trellis"), py::arg("offsets"), py::arg("words"),
@@ -90,7 +91,7 @@ void bind_exl3_moe(py::module_& m) {
       py::arg("max_items"), py::arg("down_min_blocks"), py::arg("fuse_convert"), py::arg("small_route"),
       py::arg("bytesum"), py::arg("early_down"), py::arg("pdl"), py::arg("stream"), py::arg("trace") = 0,
       py::arg("residency") = 0, py::arg("smem_per_sm") = 0, py::arg("fit_smem") = true, py::arg("e_stride") = 0,
-      py::arg("m_stride") = 0, py::arg("gate_up_min_blocks") = 3);
+      py::arg("m_stride") = 0, py::arg("gate_up_min_blocks") = 3, py::arg("prep_a") = false);
   m.def("exl3_moe_four_per_sm", &twinspark::exl3_moe_four_per_sm, py::arg("down"), py::arg("words"),
         py::arg("max_words"), py::arg("smem_per_sm"), py::arg("fit_smem"),
         "(blocks per SM, k-blocks of its A region) of the 4-per-SM mul1 decode kernel (gate/up or down) of that rate "

@@ -7,6 +7,8 @@
 // into row starts and item starts (an expert with c pairs has ceil(c / rows) items), scatter the pairs into
 // expert order and write the items (expert, first row, row count). The GEMM grids cover max_items (a bound
 // from shapes); blocks past the device-side item count return at once. No host sync anywhere.
+// Prefill (mt = 4 with prep_a): prep_a_kernel makes gate/up's x' after routing and down's activations after gate/up,
+// once per pair, where every block of an item and 128 columns rebuilt them (18 gate/up, H/128 down blocks per item).
 #include <cuda_runtime.h>
 
 #include "exl3_moe/exl3_moe.h"
@@ -162,7 +164,7 @@ bool valid_args(const Exl3MoeArgs& a) {
          (a.mt != 1 || (a.down_min_blocks >= 2 && a.down_min_blocks <= 4)) &&
          (a.mt != 1 || a.gate_up_min_blocks == 3 || a.gate_up_min_blocks == 4) && a.max_items <= 65535 &&
          rate_words_ok(a.words13, a.max_words) && rate_words_ok(a.words2, a.max_words) &&
-         (a.mt == 1 || !a.early_down) &&
+         (a.mt == 1 || !a.early_down) && (a.mt == 4 || !a.prep_a) &&
          ((a.e_stride == 0 && a.m_stride == 0) ||
           (a.words13 != 0 && a.words2 != 0 && a.m_stride > 0 && a.e_stride > 2 * a.m_stride));
 }
@@ -203,7 +205,8 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   int32_t* counters = num_items + 1;
   float* gu32 = a.ws_f32;
   float* out32 = gu32 + static_cast<size_t>(a.splitk) * P * 2 * a.I;
-  __half* act = a.mt == 1 ? reinterpret_cast<__half*>(out32 + static_cast<size_t>(a.T) * a.H) : nullptr;
+  __half* act = reinterpret_cast<__half*>(out32 + static_cast<size_t>(a.T) * a.H);
+  __half* xa = a.mt == 4 ? act + P * a.I : nullptr;
   cudaError_t err = cudaSuccess;
 
   if (!a.small_route && !a.residency) {
@@ -248,6 +251,8 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
   gp.gu32 = gu32;
   gp.out32 = out32;
   gp.act = act;
+  gp.xa = xa;
+  gp.prep_a = a.prep_a;
   gp.act_counters = a.act_counters;
   gp.item_ready = a.mt == 1 ? a.act_counters + static_cast<size_t>(a.max_items) * (a.I / 128) : nullptr;
   gp.out = a.out;
@@ -286,7 +291,22 @@ cudaError_t exl3_moe(const Exl3MoeArgs& a, cudaStream_t stream) {
     gp.residency = a.residency + 1;
     return gemm(true);
   }
+  // prep_a (64-row items): x' before gate/up, the activations between gate/up and down (plain launches: each waits
+  // for the kernel before it; gate/up's and down's programmatic waits then wait for them).
+  const auto prep = [&](bool down) {
+    const long tasks = static_cast<long>(P) * (down ? a.I / 128 : 2 * (a.H / 128));
+    const long blocks = (tasks + moe::kThreads / 32 - 1) / (moe::kThreads / 32);
+    const unsigned grid = static_cast<unsigned>(blocks < 8192 ? blocks : 8192);
+    if (down) {
+      moe::prep_a_kernel<true><<<grid, moe::kThreads, 0, stream>>>(gp);
+    } else {
+      moe::prep_a_kernel<false><<<grid, moe::kThreads, 0, stream>>>(gp);
+    }
+    return cudaGetLastError();
+  };
+  if (a.prep_a && (err = prep(false)) != cudaSuccess) return err;
   if ((err = gemm(false)) != cudaSuccess) return err;
+  if (a.prep_a && (err = prep(true)) != cudaSuccess) return err;
   if ((err = gemm(true)) != cudaSuccess) return err;
   if (!a.fuse_convert) {
     const size_t n4 = static_cast<size_t>(a.T) * a.H / 4;

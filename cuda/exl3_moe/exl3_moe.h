@@ -85,16 +85,19 @@ struct Exl3MoeArgs {
   int smem_per_sm;   // 0: the device's; else size the kernels' shared memory as on a device with this many bytes
                      // per SM (GB10: 102400) and hold them to the blocks per SM they would get there (benchmarks)
   bool fit_smem;     // mt == 1: shrink the A region where the full one would cost blocks per SM (moe_gemm.cuh)
+  bool prep_a;       // mt == 4: gate/up's x' and down's activations made once per pair by launches of their own
+                     // (before gate/up, between gate/up and down) and copied by the GEMM blocks, instead of built in
+                     // every block that multiplies them
 };
 
 // Workspace sizes in elements. ws_int: sorted pairs [P], pair ranks [P], items [3 * max_items], item count [1],
-// down-slice counters [H/128]. ws_f32: gate/up partial sums [splitk, P, 2I], the fp32 output [T, H], then
-// (mt = 1) down's fp16 activations [P, I] (P * I / 2 floats).
+// down-slice counters [H/128]. ws_f32: gate/up partial sums [splitk, P, 2I], the fp32 output [T, H], down's fp16
+// activations [P, I] (P * I / 2 floats), then (mt = 4, for prep_a) gate/up's fp16 x' [2, P, H] (P * H floats).
 inline void exl3_moe_workspace(int T, int topk, int H, int I, int max_items, int splitk, int mt, size_t* n_int,
                                size_t* n_f32) {
   const size_t P = static_cast<size_t>(T) * topk;
   *n_int = 2 * P + 3 * static_cast<size_t>(max_items) + 1 + H / 128;
-  *n_f32 = static_cast<size_t>(splitk) * P * 2 * I + static_cast<size_t>(T) * H + (mt == 1 ? P * I / 2 : 0);
+  *n_f32 = static_cast<size_t>(splitk) * P * 2 * I + static_cast<size_t>(T) * H + P * I / 2 + (mt == 4 ? P * H : 0);
 }
 
 cudaError_t exl3_moe(const Exl3MoeArgs& args, cudaStream_t stream);

@@ -5,8 +5,8 @@
 //     fp32 gate/up buffer [splitk][P][2I] at the pair's row (each k-split part writes its own partial sums).
 //   down (DOWN = true): block (item, 128 output columns of down). A = the pair's gate/up sums: output Hadamard,
 //     svh, SiLU(gate) * up (clamped), suh of down, input Hadamard, fp16 (16-row items: made once per item by the
-//     last gate/up block of each 128 columns of I, finish_act, and copied from p.act; 64-row items: built by
-//     every block). Output: Hadamard, svh, times the pair's routing weight, fp32 atomics into out32 [T, H]; with
+//     last gate/up block of each 128 columns of I, finish_act, and copied from p.act; 64-row items: made by
+//     prep_a_kernel and copied, or with prep_a off built by every block). Output: Hadamard, svh, times the pair's routing weight, fp32 atomics into out32 [T, H]; with
 //     fuse_convert the last block of each 128 columns writes them to `out` in x's dtype.
 //
 // An item is up to 16*MT rows (routed pairs) of one expert; warp w owns output tile column w and decodes its 8
@@ -20,8 +20,9 @@
 //   take the byte-sum mma instead (gemm_body_bytes: u8 products x int8 x', see "byte-sum mma" below). Shared memory:
 //   chunk_kb * 16 * 136 fp16 + kStages * 64 tiles * max_words int16 = 34 (42.5 down) + 12 KB at K = 2, + 48 KB
 //   at K = 8.
-// - MT = 4 (prefill, 64-row items): A and the tiles of the next k-block are built/staged while this one is
-//   multiplied (double buffers); the tile is the mma B operand against 4 groups of 16 rows. 2 * 64 * 136 fp16 +
+// - MT = 4 (prefill, 64-row items): A and the tiles of the next k-block are staged while this one is multiplied
+//   (double buffers); the tile is the mma B operand against 4 groups of 16 rows. A (x' for gate/up, the activations
+//   for down) is made once per pair by prep_a_kernel and copied with cp.async (prep_a), or built by every block. 2 * 64 * 136 fp16 +
 //   2 * 64 tiles * max_words int16 = 67 KB at K = 8.
 // All <= 99 KB (GB10).
 #pragma once
@@ -63,7 +64,11 @@ struct GemmParams {
   int32_t* counters;
   float* gu32;  // [splitk][P][2I]: each k-split part writes its own partial sums (no atomics, no zeroing)
   float* out32;
-  __half* act;            // 16-row items: down's fp16 activations [P][I], made once by gate/up (finish_act)
+  __half* act;            // down's fp16 activations [P][I] by pair: 16-row items: made once by gate/up (finish_act);
+                          // 64-row items with prep_a: made by prep_a_kernel<true> between gate/up and down
+  __half* xa;             // 64-row items with prep_a: gate/up's A, x' [2][P][H] fp16 by (mat, pair), made by
+                          // prep_a_kernel<false> before gate/up
+  bool prep_a;            // 64-row items: A copied from xa / act (made once per pair) instead of built in every block
   int32_t* act_counters;  // [max_items][I/128] arrivals of gate/up blocks, zero between calls
   int32_t* item_ready;    // [max_items] activation slices made (finish_act), then down blocks past wait_act; zero
                           // between calls
@@ -200,69 +205,82 @@ __device__ __forceinline__ void route_small(const GemmParams& p, int item, RowTa
   if (lane == 0) rows.rcnt = n;
 }
 
-// Row r (< rcnt) of the A block of k-block kb, this lane's 4 values: fp32 Hadamard-domain activations.
-// Gate/up: x[token] * suh of (e, mat), input Hadamard. Down: the sum of the pair's k-split gate/up parts, output
-// Hadamard, svh, SiLU(gate) * up (clamped), suh of down, input Hadamard.
+// Gate/up A, this lane's 4 values of k-block kb for token tok: x[tok] * suh of (e, mat), input Hadamard (fp32).
+__device__ __forceinline__ void x_values(const GemmParams& p, int tok, int e, int mat, int kb, float (&v)[4]) {
+  const int lane = threadIdx.x & 31;
+  const int col = kb * 128 + lane * 4;
+  const size_t xo = static_cast<size_t>(tok) * p.H + col;
+  const void* xp = p.x_bf16 ? static_cast<const void*>(static_cast<const __nv_bfloat16*>(p.x) + xo)
+                            : static_cast<const void*>(static_cast<const __half*>(p.x) + xo);
+  float s[4];
+  exl3::load4(xp, p.x_bf16, v);
+  exl3::load4_half(p.suh13 + (static_cast<size_t>(e) * 2 + mat) * p.H + col, s);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) v[q] *= s[q];
+  exl3::hadamard128_warp(v, lane);
+}
+
+// Down A, this lane's 4 values of k-block kb for pair `pair` of expert e: the sum of the pair's k-split gate/up
+// parts, output Hadamard, svh, SiLU(gate) * up (clamped), suh of down, input Hadamard (fp32).
+template <bool SCALES_FIRST = false>
+__device__ __forceinline__ void act_values(const GemmParams& p, int pair, int e, int kb, int parts, float (&v)[4]) {
+  const int lane = threadIdx.x & 31;
+  const int col = kb * 128 + lane * 4;
+  float sg[4], su[4], sd[4];
+  const auto load_scales = [&] {
+    exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 0) * p.I + col, sg);
+    exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 1) * p.I + col, su);
+    exl3::load4_half(p.suh2 + static_cast<size_t>(e) * p.I + col, sd);
+  };
+  // SCALES_FIRST (finish_act, one warp per row on the layer's critical path): the scale loads overlap the parts'
+  // L2 round trip (and hit L2 in the one-rate kernels: prefetch_act_scales). The 64-row build keeps them after it
+  // (loaded first they cost 100 B of spills there).
+  if constexpr (SCALES_FIRST) load_scales();
+  const float* g = p.gu32 + static_cast<size_t>(pair) * 2 * p.I + col;
+  const size_t part = static_cast<size_t>(p.P) * 2 * p.I;
+  float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
+  // The k-split parts' loads of a round are all issued before any is used (a plain loop over the run-time part
+  // count waited one L2 round trip per part).
+  constexpr int kRound = 4;
+  for (int s0 = 0; s0 < parts; s0 += kRound) {
+    float4 g4[kRound], u4[kRound];
+#pragma unroll
+    for (int j = 0; j < kRound; ++j) {
+      const bool in = s0 + j < parts;  // L2 loads: other blocks of the running grid wrote them (finish_act)
+      g4[j] = in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      u4[j] =
+          in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part + p.I)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kRound; ++j) {
+      gv[0] += g4[j].x, gv[1] += g4[j].y, gv[2] += g4[j].z, gv[3] += g4[j].w;
+      uv[0] += u4[j].x, uv[1] += u4[j].y, uv[2] += u4[j].z, uv[3] += u4[j].w;
+    }
+  }
+  exl3::hadamard128_warp(gv, lane);
+  exl3::hadamard128_warp(uv, lane);
+  if constexpr (!SCALES_FIRST) load_scales();
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float gq = gv[q] * sg[q], uq = uv[q] * su[q];
+    if (p.limit >= 0.f) {
+      gq = fminf(gq, p.limit);
+      uq = fminf(fmaxf(uq, -p.limit), p.limit);
+    }
+    v[q] = gq / (1.f + __expf(-gq)) * uq * sd[q];
+  }
+  exl3::hadamard128_warp(v, lane);
+}
+
+// Row r (< rcnt) of the A block of k-block kb, this lane's 4 values: x_values (gate/up) or act_values (down).
 template <bool DOWN, bool SCALES_FIRST = false>
 __device__ __forceinline__ void a_row(const GemmParams& p, const RowTables& rows, int r, int e, int mat, int kb,
                                       int parts, float (&v)[4]) {
-  const int lane = threadIdx.x & 31;
-  const int col = kb * 128 + lane * 4;
-  if constexpr (!DOWN) {
-    const size_t xo = static_cast<size_t>(rows.tok[r]) * p.H + col;
-    const void* xp = p.x_bf16 ? static_cast<const void*>(static_cast<const __nv_bfloat16*>(p.x) + xo)
-                              : static_cast<const void*>(static_cast<const __half*>(p.x) + xo);
-    float s[4];
-    exl3::load4(xp, p.x_bf16, v);
-    exl3::load4_half(p.suh13 + (static_cast<size_t>(e) * 2 + mat) * p.H + col, s);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) v[q] *= s[q];
+  if constexpr (DOWN) {
+    act_values<SCALES_FIRST>(p, rows.pair[r], e, kb, parts, v);
   } else {
-    float sg[4], su[4], sd[4];
-    const auto load_scales = [&] {
-      exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 0) * p.I + col, sg);
-      exl3::load4_half(p.svh13 + (static_cast<size_t>(e) * 2 + 1) * p.I + col, su);
-      exl3::load4_half(p.suh2 + static_cast<size_t>(e) * p.I + col, sd);
-    };
-    // SCALES_FIRST (finish_act, one warp per row on the layer's critical path): the scale loads overlap the parts'
-    // L2 round trip (and hit L2 in the one-rate kernels: prefetch_act_scales). The 64-row build keeps them after it
-    // (loaded first they cost 100 B of spills there).
-    if constexpr (SCALES_FIRST) load_scales();
-    const float* g = p.gu32 + static_cast<size_t>(rows.pair[r]) * 2 * p.I + col;
-    const size_t part = static_cast<size_t>(p.P) * 2 * p.I;
-    float gv[4] = {0.f, 0.f, 0.f, 0.f}, uv[4] = {0.f, 0.f, 0.f, 0.f};
-    // The k-split parts' loads of a round are all issued before any is used (a plain loop over the run-time part
-    // count waited one L2 round trip per part).
-    constexpr int kRound = 4;
-    for (int s0 = 0; s0 < parts; s0 += kRound) {
-      float4 g4[kRound], u4[kRound];
-#pragma unroll
-      for (int j = 0; j < kRound; ++j) {
-        const bool in = s0 + j < parts;  // L2 loads: other blocks of the running grid wrote them (finish_act)
-        g4[j] = in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        u4[j] =
-            in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part + p.I)) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int j = 0; j < kRound; ++j) {
-        gv[0] += g4[j].x, gv[1] += g4[j].y, gv[2] += g4[j].z, gv[3] += g4[j].w;
-        uv[0] += u4[j].x, uv[1] += u4[j].y, uv[2] += u4[j].z, uv[3] += u4[j].w;
-      }
-    }
-    exl3::hadamard128_warp(gv, lane);
-    exl3::hadamard128_warp(uv, lane);
-    if constexpr (!SCALES_FIRST) load_scales();
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      float gq = gv[q] * sg[q], uq = uv[q] * su[q];
-      if (p.limit >= 0.f) {
-        gq = fminf(gq, p.limit);
-        uq = fminf(fmaxf(uq, -p.limit), p.limit);
-      }
-      v[q] = gq / (1.f + __expf(-gq)) * uq * sd[q];
-    }
+    x_values(p, rows.tok[r], e, mat, kb, v);
   }
-  exl3::hadamard128_warp(v, lane);
 }
 
 // A block of k-block kb for rows [0, 16*MT): fp16, zero rows past rcnt.
@@ -746,8 +764,9 @@ __device__ __forceinline__ void gemm_body_bytes(const GemmParams& p, char* smem,
   }
 }
 
-// STAGED: a one-rate kernel, whose down blocks stage svh (stage_svh2).
-template <int CB, int MT, bool DOWN, bool STAGED, int KA, bool HALF>
+// STAGED: a one-rate kernel, whose down blocks stage svh (stage_svh2). COPY (64-row items, prep_a): A is copied from
+// what prep_a_kernel made (a kernel of its own, so the kernel that builds A in every block stays as it was).
+template <int CB, int MT, bool DOWN, bool STAGED, int KA, bool HALF, bool COPY = false>
 __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
                                           int mat, int slice, int part, int kb0, int kb1, const int16_t* tr) {
   constexpr int kW = 16 * KA + (HALF ? 8 : 0);  // int16 per tile
@@ -798,22 +817,37 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
           }
         });
   } else {
-    // 64-row items (prefill): A and the tiles of the next k-block are built/staged while this one is multiplied.
+    // 64-row items (prefill): A and the tiles of the next k-block are staged while this one is multiplied. A is
+    // copied with the tiles (prep_a: x' or the activations, made once per pair by prep_a_kernel; the rows past rcnt
+    // are left as they are: a row of A only reaches the same row of the product, which is never stored), or built
+    // here by every block that multiplies it (18 gate/up blocks per item and matrix pair, H/128 down blocks).
     __half* abuf = reinterpret_cast<__half*>(smem);                           // [2][kRows][kAStride]
     int16_t* tbuf = reinterpret_cast<int16_t*>(abuf + 2 * kRows * kAStride);  // [2][64][kW]
+    const __half* asrc = DOWN ? p.act : p.xa + static_cast<size_t>(mat) * p.P * p.H;
+    const int ald = DOWN ? p.I : p.H;
+    const auto copy_a = [&](int kb, __half* a) {
+      for (int i = threadIdx.x; i < rcnt * 16; i += kThreads) {
+        const int r = i >> 4, c = i & 15;
+        cp_async16(a + r * kAStride + c * 8, asrc + static_cast<size_t>(rows.pair[r]) * ald + kb * 128 + c * 8);
+      }
+    };
     issue_tiles<kW>(tr, tiles_n, slice, kb0, tbuf);
+    if constexpr (DOWN) pdl_wait();  // the weights are on their way; A reads what the kernels before made
+    if constexpr (COPY) copy_a(kb0, abuf);
     cp_async_commit();
-    if constexpr (DOWN) pdl_wait();  // the weights are on their way; A reads the gate/up kernel's sums
-    produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0, abuf);
+    if constexpr (!COPY) produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0, abuf);
     for (int i = 0; i < nkb; ++i) {
       cp_async_wait<0>();
       __syncthreads();  // tiles and A of k-block i ready; everyone is done with the other buffers
       if (i + 1 < nkb) {
         issue_tiles<kW>(tr, tiles_n, slice, kb0 + i + 1, tbuf + ((i + 1) & 1) * 64 * kW);
+        if constexpr (COPY) copy_a(kb0 + i + 1, abuf + ((i + 1) & 1) * kRows * kAStride);
         cp_async_commit();
       }
       mma_kblock<CB, MT, KA, HALF>(tbuf + (i & 1) * 64 * kW, abuf + (i & 1) * kRows * kAStride, rcnt, acc);
-      if (i + 1 < nkb) produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0 + i + 1, abuf + ((i + 1) & 1) * kRows * kAStride);
+      if constexpr (!COPY) {
+        if (i + 1 < nkb) produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0 + i + 1, abuf + ((i + 1) & 1) * kRows * kAStride);
+      }
     }
   }
 
@@ -877,7 +911,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
 // once-per-warp code runs cold on every SM) and 71-88 registers instead of 101 (down) with no spills. H200, same
 // build, with cap_blocks_per_sm (DESIGN.md "The 16-row decode body"): T=1 -2.3 / -1.7 / -4.5%, T=2 -4.3 / -0.7 /
 // -4.2% at K=2/3/4.
-template <int CB, int MT, bool DOWN, int WORDS>
+template <int CB, int MT, bool DOWN, int WORDS, bool COPY = false>
 __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, const RowTables& rows, int e, int rcnt,
                                               int mat, int slice, int part, int kb0, int kb1, int words,
                                               const int16_t* tr) {
@@ -889,7 +923,7 @@ __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, c
   }
 #define TS_MOE_RATE(KA, HALF)                                                                         \
   case 16 * KA + (HALF ? 8 : 0):                                                       \
-    gemm_body<CB, MT, DOWN, false, KA, HALF>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr); \
+    gemm_body<CB, MT, DOWN, false, KA, HALF, COPY>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr); \
     break;
   switch (words) {
     TS_MOE_RATE(1, false)
@@ -950,7 +984,7 @@ __device__ __forceinline__ Piece gate_up_piece(const GemmParams& p) {
 // mul1's one-rate kernels where the device holds 4 (python: _config); down of 16-row items 2 (104 registers), 3 (80)
 // or (mul1, one rate, where the device holds 4) 4 (64), chosen by the plan (python: plan_launch); 64-row items 2.
 // WORDS: 0, or the one rate of every matrix the kernel decodes (dispatch_rate).
-template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0>
+template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0, bool COPY = false>
 __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) {
   extern __shared__ __align__(16) char smem[];
   __shared__ RowTables rows;
@@ -1025,7 +1059,8 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
   }
   __syncthreads();
   trace_mark(p.trace, DOWN, 2);
-  if (kb0 < kb1) dispatch_rate<CB, MT, DOWN, WORDS>(p, smem, rows, e, rcnt, mat, slice, pc.part, kb0, kb1, words, tr);
+  if (kb0 < kb1)
+    dispatch_rate<CB, MT, DOWN, WORDS, COPY>(p, smem, rows, e, rcnt, mat, slice, pc.part, kb0, kb1, words, tr);
   trace_mark(p.trace, DOWN, 3);
   if constexpr (MT == 1 && !DOWN) finish_act(p, rows, item, e, rcnt, slice, pc.parts);
   if constexpr (DOWN) pdl_wait();  // (returns at once: gemm_body waited) before the arrival on gate/up's counters
@@ -1045,6 +1080,33 @@ __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_kernel(GemmParams p) 
     }
   }
   trace_mark(p.trace, DOWN, 4);
+}
+
+// 64-row items with prep_a: the A operands made once per pair instead of in every block that multiplies them.
+// DOWN = false, before gate/up: x' [2][P][H] (x_values, fp16); DOWN = true, between gate/up and down: the
+// activations [P][I] (act_values, fp16). One warp per (pair, [mat,] k-block) task, grid-stride; pairs of other ranks'
+// experts are skipped (the GEMMs never read them). The same values, rounded the same way, as the in-block build.
+template <bool DOWN>
+__global__ void __launch_bounds__(kThreads) prep_a_kernel(GemmParams p) {
+  const int lane = threadIdx.x & 31;
+  const int kbs = (DOWN ? p.I : p.H) / 128, per_pair = (DOWN ? 1 : 2) * kbs;
+  const long tasks = static_cast<long>(p.P) * per_pair, warps = static_cast<long>(gridDim.x) * (kThreads / 32);
+  for (long t = static_cast<long>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5); t < tasks; t += warps) {
+    const int pair = static_cast<int>(t / per_pair), j = static_cast<int>(t - static_cast<long>(pair) * per_pair);
+    const int e = p.ids[pair] - p.first_expert;
+    if (e < 0 || e >= p.E) continue;  // warp-uniform
+    float v[4];
+    __half* dst;
+    if constexpr (DOWN) {
+      act_values(p, pair, e, j, p.splitk, v);
+      dst = p.act + static_cast<size_t>(pair) * p.I + j * 128;
+    } else {
+      const int mat = j >= kbs, kb = j - mat * kbs;
+      x_values(p, pair / p.topk, e, mat, kb, v);
+      dst = p.xa + (static_cast<size_t>(mat) * p.P + pair) * p.H + kb * 128;
+    }
+    *reinterpret_cast<uint2*>(dst + lane * 4) = pack4_half(v);
+  }
 }
 
 // Host side: launch one kernel of the family (defined per codebook in gemm_<codebook>.cu). rate_words: 0, or the
@@ -1133,12 +1195,12 @@ cudaError_t prepare_smem(std::atomic<uint64_t> (&memo)[64], Kernel kernel, int m
   return cudaSuccess;
 }
 
-template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0>
+template <int CB, int MT, bool DOWN, int MINB = MT == 1 && !DOWN ? 3 : 2, int WORDS = 0, bool COPY = false>
 cudaError_t launch_one(const GemmParams& params, int max_items, int max_words, cudaStream_t stream) {
   GemmParams p = params;
   const size_t all = gemm_smem_bytes(MT, DOWN, max_words);
   const int a_full = MT == 1 ? a_region_bytes(DOWN) : 0;  // 64-row items: both double buffers are fixed
-  auto kernel = moe_gemm_kernel<CB, MT, DOWN, MINB, WORDS>;
+  auto kernel = moe_gemm_kernel<CB, MT, DOWN, MINB, WORDS, COPY>;
   static std::atomic<uint64_t> memo[64];  // per device (prepare_smem), zero-initialized
   size_t smem = 0;
   const cudaError_t err = prepare_smem(memo, kernel, MINB, MT == 1 && DOWN && MINB == 2, a_full, all - a_full,
@@ -1198,6 +1260,10 @@ cudaError_t launch_moe_gemm(const GemmParams& p, bool down, int mt, int max_item
                             cudaStream_t stream) {
   if (mt == 1) return launch_rate<CB>(p, down, max_items, max_words, rate_words, stream);
   if (mt == 4) {
+    if (p.prep_a) {
+      return down ? launch_one<CB, 4, true, 2, 0, true>(p, max_items, max_words, stream)
+                  : launch_one<CB, 4, false, 2, 0, true>(p, max_items, max_words, stream);
+    }
     return down ? launch_one<CB, 4, true>(p, max_items, max_words, stream)
                 : launch_one<CB, 4, false>(p, max_items, max_words, stream);
   }

@@ -110,7 +110,7 @@ def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None,
         if m <= t.large_m or (not fused and m <= t.no_wgmma_small_max_m and k * n >= t.no_wgmma_small_min_weights):
             variant = "small"
         else:
-            variant = "fused" if fused and m <= t.fused_max_m else "large"
+            variant = "fused" if fused and m <= t.fused_max_m and sms >= t.fused_min_sms else "large"
     if variant not in VARIANTS:
         raise ValueError(f"{OP}: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
     if variant == "fused" and not fused:

@@ -125,8 +125,9 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
                          f"{GATE_UP4_BLOCKS_PER_SM} (the gate/up kernels' sizings)")
     pairs = T * top_k
     decode = pairs <= DECODE_MAX_PAIRS
-    # 64-row items once experts average more than 16 rows (prefill); 16-row items otherwise and always in decode
-    mt = 1 if decode or pairs <= 16 * num_experts else 4
+    # 64-row items once experts average more than plans' prefill_rows (16) rows (prefill); 16-row items otherwise and
+    # always in decode
+    mt = 1 if decode or pairs <= t.prefill_rows * num_experts else 4
     rows = 16 * mt
     max_items = max(1, min(pairs, pairs // rows + min(num_experts, pairs)))
     kblocks = hidden // 128
@@ -184,7 +185,10 @@ def plan_launch(T: int, top_k: int, num_experts: int, hidden: int, inter: int, s
     # 16-row kernels: where the full A region would cost blocks per SM (GB10: 100 KB of shared memory per SM), a
     # smaller one (moe_gemm.cuh fit_a_bytes). exl3_moe.smem_per_sm=<bytes> sizes and holds the kernels as on a device
     # with that much (GB10: 102400) on this one; exl3_moe.fit_smem=0 keeps the full region (A/B).
-    return dict(mt=mt, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
+    # 64-row items: x' and the activations made once per pair by launches of their own and copied by the GEMM
+    # blocks (issue 43: every block built them, 18 gate/up and H/128 down blocks per item: cuda/exl3_moe/DESIGN.md).
+    prep_a = mt == 4 and t.prefill_prep
+    return dict(mt=mt, prep_a=prep_a, splitk=splitk, short_groups=short_groups, max_items=max_items, fuse_convert=decode,
                 small_route=decode, down_min_blocks=down_min_blocks,
                 gate_up_blocks=gate_up_blocks if decode else GATE_UP_BLOCKS_PER_SM, bytesum=bytesum,
                 early_down=early_down,
@@ -292,7 +296,7 @@ def _kernel(x, ids, weights, trellis, offsets, words, suh13, svh13, suh2, svh2, 
             cfg["mt"], cfg["splitk"], cfg["short_groups"], cfg["max_items"], cfg["down_min_blocks"], cfg["fuse_convert"],
             cfg["small_route"], cfg["bytesum"], cfg["early_down"], pdl, _ext.stream_ptr(dev),
             0 if trace is None else trace.data_ptr(), 0 if residency is None else residency.data_ptr(),
-            cfg["smem_per_sm"], cfg["fit_smem"], e_stride, m_stride, cfg["gate_up_blocks"],
+            cfg["smem_per_sm"], cfg["fit_smem"], e_stride, m_stride, cfg["gate_up_blocks"], cfg["prep_a"],
         )
     return out
 

@@ -152,6 +152,9 @@ class Exl3Gemm:
                         "(H200 crossover)", _int(1))
     fused_max_m: int = knob(512, "a token count >= 1", "fused kernel up to this m, the whole-weight pass + cuBLAS "
                             "above (H200, NOTES.md v5, v8)", _int(1))
+    fused_min_sms: int = knob(64, "an SM count >= 1", "the fused kernel only where plans are made for at least this many "
+                              "SMs; fewer take the large path (48-SM proxy, m=512, V4.1 shapes: large 1.55x bf16 "
+                              "geomean vs fused 1.74x, fused ahead on 2 of 7 shapes by 3-6%; bench_prefill.py)", _int(1))
     no_wgmma_small_max_m: int = knob(256, "a token count >= 0", "without wgmma (GB10) large layers stay on 64-token "
                                      "small slices up to this m: the large path's 4kn-byte weight round trip costs "
                                      "more there (predicted ~2x at m=256, a tie near 512; benchkit's GB10 model)",
@@ -213,6 +216,12 @@ class Exl3Moe:
                           "per SM (GB10: 17-39% faster at T=1-512; 0: the full region, A/B)", _flag)
     smem_per_sm: int = knob(0, "0 or a byte count from 102400 to 233472", "size and hold the kernels as on a device "
                             "with this much shared memory per SM (GB10: 102400); 0: this device's", _smem_per_sm)
+    prefill_rows: int = knob(16, "a row count >= 1", "64-row items once the experts average more than this many rows "
+                             "(pairs / experts), 16-row items up to it (T=512, 8 rows: 64-row items 1.38x slower on "
+                             "the 48-SM proxy and the H200, bench_prefill.py)", _int(1))
+    prefill_prep: bool = knob(True, "0 or 1", "64-row items copy x' and the activations made once per pair by launches "
+                              "of their own (0: every block builds them; 48-SM proxy, K=2/3: T=2048 0.45/0.47x, "
+                              "T=8192 0.40/0.41x the time of 0; bench_prefill.py)", _flag)
 
 
 @dataclass(frozen=True)
