@@ -35,6 +35,7 @@ from twinspark.safetensors_io import SafetensorsError
 
 STEP_RESULTS = project_root() / "bench" / "results" / "decode_step.json"
 MOE_RESULTS = project_root() / "bench" / "results" / "exl3_moe.json"
+PREFILL_RESULTS = project_root() / "bench" / "results" / "prefill.json"
 ANCHOR_CONTEXT = 512  # seed A's decode figures: 400-token prose answers to short prompts
 SEED_A = "seed A README (MiaAI-Lab/DeepSeek-v4.1-Flash-EXL3-2x-DGX-Sparks)"
 PROJECT_B = "project B README (0xSero/DeepSeek-V4.1-Flash-Two-Sparks)"
@@ -174,6 +175,8 @@ class Kernels:
     kernels_per_layer: float = 0.0
     measured: dict = field(default_factory=dict)
     measured_how: str = ""
+    prefill_rates: dict = field(default_factory=dict)  # {T: (routed, other EXL3 projections)} µs/token/layer on GB10
+    prefill_how: str = ""
 
 
 def upstream(name: str, routed_eff: float, moe_prefill: gb10.Param) -> Kernels:
@@ -192,6 +195,8 @@ class BenchRecord:
     median_us: float
     bytes: float
     flops: float
+    op: str = ""
+    notes: str = ""
 
 
 def read_bench_results(path: Path) -> tuple[dict, list[BenchRecord]]:
@@ -202,7 +207,8 @@ def read_bench_results(path: Path) -> tuple[dict, list[BenchRecord]]:
         doc = read_json(path)  # a regular file only: a FIFO would block the reader
         machine = doc.get("machine") or {}
         recs = [BenchRecord(str(r.get("variant", "twinspark")), r["shape"], float(r["median_us"]),
-                            float(r.get("bytes") or 0), float(r.get("flops") or 0)) for r in doc["records"]]
+                            float(r.get("bytes") or 0), float(r.get("flops") or 0), str(r.get("op", "")),
+                            str(r.get("notes", ""))) for r in doc["records"]]
         if not isinstance(machine, dict) or not all(isinstance(r.shape, dict) for r in recs):
             raise TypeError("machine and every record's shape must be objects")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -244,14 +250,43 @@ def moe_prefill_us(path: Path | None, K: int = 3) -> tuple[float, str]:
                             f"(tensor-core floor {mma:.2f} µs)")
 
 
+def prefill_rates(path: Path | None) -> tuple[dict, str]:
+    """{T: (routed experts, the other EXL3 projections)} in µs per token per layer on GB10, from the average V4.1
+    layer a prefill.json measured on the 48-SM proxy (bench/bench_prefill.py "layer" records), times the H200's clock
+    over GB10's (the proxy runs GB10's SM count at the H200's clock); the routed term at least the tensor-core floor.
+    Prefill is bound by decode and mma work there, not by GB10's bandwidth: the routed layer reads 1.3-2.5 GB of
+    weights and ~2 GB of x' per 8k tokens against ~31 ms of work on the proxy."""
+    if path is None or not path.is_file():
+        return {}, ""
+    machine, records = read_bench_results(path)
+    clock = float(gb10.H200_CLOCK) / float(gb10.CLOCK)
+    mma = 2.0 * 6 * _expert_weights(5120, 1152) / float(gb10.GB10_BF16_FLOPS) * 1e6
+    out = {}
+    for r in records:
+        T = r.shape.get("T")
+        if r.op != "layer" or r.variant != "after proxy" or not is_int(T) or T <= 0:
+            continue
+        parts = dict(kv.split("=") for kv in r.notes.split("; ") if "=" in kv)
+        try:
+            routed = float(parts["routed"])
+        except (KeyError, ValueError):
+            raise ForecastError(f"{path}: the layer record at T={T} has no routed time in its notes ({r.notes!r}); "
+                                "re-run `python bench/run.py prefill` on a GPU") from None
+        out[T] = (max(routed / T * clock, mma), (r.median_us - routed) / T * clock)
+    how = (f"48-SM H200 proxy, {path.name} ({str(machine.get('date', '?'))[:10]}), x {clock:.2f} clock "
+           f"(tensor-core floor {mma:.2f} µs)")
+    return out, how
+
+
 def twinspark_kernels(step_results: Path | None, moe_results: Path | None, allreduce_us: float,
-                      efficiency: float) -> Kernels:
+                      efficiency: float, prefill_results: Path | None = None) -> Kernels:
     measured, how = ({}, "no decode_step results: bandwidth floors")
     if step_results is not None:
         measured, how = measured_classes(step_results)
     pre, pre_how = moe_prefill_us(moe_results)
+    rates, rates_how = prefill_rates(prefill_results)
     return Kernels("twinspark", efficiency, efficiency, float(gb10.UPSTREAM_EFFICIENCY), allreduce_us, pre, pre_how,
-                   efficiency, float(gb10.GRAPH_KERNEL_US), 0.0, measured, how)
+                   efficiency, float(gb10.GRAPH_KERNEL_US), 0.0, measured, how, rates, rates_how)
 
 
 # --------------------------------------------------------------------------------------------------- the terms
@@ -338,14 +373,21 @@ def decode_terms(m: Model, kn: Kernels, *, k: int, context: int, attention_us: f
 
 
 def prefill_terms(m: Model, kn: Kernels, *, context: int, chunk: int, attention_us: float) -> list[gb10.Term]:
-    """µs per prompt token at a prompt of `context` tokens in chunks of `chunk`, per rank."""
-    t = [gb10.Term("routed experts", kn.moe_prefill_us * m.layers, 0, kn.moe_prefill_how)]
-    dense_w = sum(m.params[c] for c in ("attention", "compressor + indexer", "shared", "engram wkv"))
-    dense_b = sum(m.nbytes[c] for c in ("attention", "compressor + indexer", "shared", "engram wkv"))
-    # every dense matrix at once: large_gemm_us is linear in the weights (k x n = all of them, trellis = all)
-    per_chunk = gb10.large_gemm_us(1, int(dense_w), chunk, dense_b, 0, 0)["us"] - 2 * float(gb10.LAUNCH_US)
-    t.append(gb10.Term("dense projections", per_chunk / chunk, 0, f"W made once per {chunk}-token chunk, then a bf16 "
-                       f"matmul ({float(gb10.GB10_BF16_FLOPS) / 1e12:.0f} TFLOP/s)"))
+    """µs per prompt token at a prompt of `context` tokens in chunks of `chunk`, per rank. With measured prefill rates
+    (prefill.json) the EXL3 terms are those of the smallest measured T at least `chunk` (else the largest)."""
+    if kn.prefill_rates:
+        T = min((T for T in kn.prefill_rates if T >= chunk), default=max(kn.prefill_rates))
+        routed, dense = kn.prefill_rates[T]
+        t = [gb10.Term("routed experts", routed * m.layers, 0, f"{kn.prefill_how}, T={T}"),
+             gb10.Term("dense projections", dense * m.layers, 0, f"{kn.prefill_how}, T={T}")]
+    else:
+        t = [gb10.Term("routed experts", kn.moe_prefill_us * m.layers, 0, kn.moe_prefill_how)]
+        dense_w = sum(m.params[c] for c in ("attention", "compressor + indexer", "shared", "engram wkv"))
+        dense_b = sum(m.nbytes[c] for c in ("attention", "compressor + indexer", "shared", "engram wkv"))
+        # every dense matrix at once: large_gemm_us is linear in the weights (k x n = all of them, trellis = all)
+        per_chunk = gb10.large_gemm_us(1, int(dense_w), chunk, dense_b, 0, 0)["us"] - 2 * float(gb10.LAUNCH_US)
+        t.append(gb10.Term("dense projections", per_chunk / chunk, 0, f"W made once per {chunk}-token chunk, then a "
+                           f"bf16 matmul ({float(gb10.GB10_BF16_FLOPS) / 1e12:.0f} TFLOP/s)"))
     t.append(gb10.Term(f"attention at {context:,} (vLLM)", attention_us, 0, "calibrated"))
     t.append(gb10.Term("Engram rows (NVMe)", m.engram_rows / float(gb10.ENGRAM_IOPS) * 1e6, 0,
                        f"{m.engram_rows} rows of one layer per token at {float(gb10.ENGRAM_IOPS) / 1e3:.0f}k IOPS; "
@@ -466,9 +508,11 @@ def forecast(b: Budget, *, k: int = 3, acceptance_length: float = PROSE_LENGTH, 
              prefill_context: int = 8192, chunk: int = 1024, gb10_gbps: float = float(gb10.BW) / 1e9,
              bw_efficiency: float = float(gb10.BW_EFFICIENCY), allreduce_us: float = float(gb10.ALLREDUCE_US),
              attention_us: float | None = None, engram_us: float = 0.0, overhead_ms: float = 0.0,
-             step_results: Path | None = None, moe_results: Path | None = None) -> Result:
+             step_results: Path | None = None, moe_results: Path | None = None,
+             prefill_results: Path | None = None) -> Result:
     """The forecast for twinspark's kernels on this checkpoint, with the calibration table. step_results /
-    moe_results: decode_step.json / exl3_moe.json (default: bench/results' when present)."""
+    moe_results / prefill_results: decode_step.json / exl3_moe.json / prefill.json (default: bench/results' when
+    present)."""
     _check("the draft tokens (--draft-tokens)", k, 0, 15, integer=True)
     _check("the acceptance length (--acceptance-length)", acceptance_length, 1.0, k + 1.0)
     for name, v in (("the context (--context)", context), ("the prefill context (--prefill-context)", prefill_context),
@@ -492,7 +536,8 @@ def forecast(b: Budget, *, k: int = 3, acceptance_length: float = PROSE_LENGTH, 
     # another bandwidth than 273 GB/s: the same efficiency of that bandwidth (published rows keep their own)
     eff = bw_efficiency * gb10_gbps * 1e9 / float(gb10.BW)
     kn = twinspark_kernels(_results(step_results, STEP_RESULTS, "decode_step"),
-                           _results(moe_results, MOE_RESULTS, "exl3_moe"), allreduce_us, eff)
+                           _results(moe_results, MOE_RESULTS, "exl3_moe"), allreduce_us, eff,
+                           _results(prefill_results, PREFILL_RESULTS, "prefill"))
     dec = decode_terms(m, kn, k=k, context=context, attention_us=attn, engram_us=engram_us,
                        overhead_us=overhead_ms * 1e3)
     pre = prefill_terms(m, kn, context=prefill_context, chunk=chunk, attention_us=pre_attn)
