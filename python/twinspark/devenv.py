@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,12 +139,25 @@ class DevEnv:
         elif not re.search(r"^include-system-site-packages\s*=\s*true\s*$", cfg.read_text(), re.M | re.I):
             raise DevEnvError(f"TWINSPARK_TORCH=system: {self.venv} exists but was made without the machine's "
                               "packages; remove it or set TWINSPARK_VENV to another folder")
+        self._see_parent_venv()
         problems = self.missing(extras)
         if problems:
             raise DevEnvError(f"TWINSPARK_TORCH=system installs nothing from an index, and {sys.executable} lacks "
                               f"what this session needs: {'; '.join(problems)} (install them into that Python, or "
                               "run without TWINSPARK_TORCH=system where an index is reachable)")
         self._pip("--no-index", "--no-build-isolation", "--no-deps", ".")
+
+    def _see_parent_venv(self) -> None:
+        """Where the Python that runs nox is itself a venv (the device machine's /opt/torch/.venv), the new venv's
+        --system-site-packages reach only the base interpreter's packages: a .pth file adds the parent venv's."""
+        if sys.prefix == sys.base_prefix:
+            return
+        parent = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+        site = self.venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+        pth = site / "_twinspark_parent_venv.pth"
+        text = "".join(f"{d}\n" for d in parent)
+        if site.is_dir() and (not pth.exists() or pth.read_text() != text):
+            pth.write_text(text)
 
     def requirements(self, extras) -> list:
         """The build tools, twinspark's dependencies and those of `extras` whose markers hold for this Python
