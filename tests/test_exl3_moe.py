@@ -483,6 +483,24 @@ def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prep", ["0", "1"])
+def test_kernel_prefill_prep(prep, gen, cuda, monkeypatch):
+    """64-row items (prefill) with A made once per pair by prep_a_kernel (1) or built in every block (0): mixed rates,
+    one rank's half of the experts (the prep launches skip the other half's pairs), items of 64 rows and a partial
+    last one, bf16 and fp16, at hidden 1024 and the model's intermediate size."""
+    _plan(monkeypatch, f"exl3_moe.prefill_prep={prep},exl3_moe.prefill_rows=4")
+    ex = ml.random_experts(12, 1024, 1152, rates=[(2, 3, 4), (3, 3, 2), (4, 2, 3)], codebook="mul1", first_expert=12,
+                           generator=gen)
+    exd = ex.to(cuda)
+    for T, top_k, dtype in ((100, 6, torch.bfloat16), (300, 8, torch.float16)):
+        x, ids, w = _inputs(gen, T, top_k, 24, 1024, dtype=dtype)
+        cfg = launch_plan(x.to(cuda), ids.to(cuda), exd)
+        assert cfg["mt"] == 4 and cfg["prep_a"] == (prep == "1"), cfg
+        got, want = _check_kernel(cuda, ex, exd, x, ids, w)
+        assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} prep={prep}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("early", ["0", "1"])
 def test_kernel_early_down(early, gen, cuda, monkeypatch):
     """16-row items with the down blocks waiting for their own item's activations (early) or for the whole gate/up
