@@ -53,7 +53,7 @@ class LocalServer:
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.api_key:
-            cmd += ["--api-key", self.api_key]
+            cmd.append(f"--api-key={self.api_key}")  # one token: a key that starts with '-' is no option
         return cmd + self.extra_args
 
     def env(self) -> dict[str, str]:
