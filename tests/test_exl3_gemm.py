@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 
+import exl3_spec as spec
 import pytest
 import torch
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import Exl3Layer, random_layer
 from twinspark.ops import exl3_gemm, plans
 from twinspark.ops.exl3_gemm import FUSED_BLOCKS, M_SLICE, fused_available, plan
-from twinspark.testing import poison_allocator, rel_l2
+from twinspark.testing import need_cuda, poison_allocator, rel_l2
 
 # Tolerances (relative L2 vs the fp32 reference): the kernels round x' = H(x ⊙ suh) to fp16 (~2^-12 RMS
 # relative) and the result once to the output dtype (fp16 2^-11, bf16 2^-8 half-ulp): ~3e-4 for fp16 and
@@ -150,10 +151,53 @@ def test_bad_out(gen):
 
 
 # ------------------------------------------------------------------------------------------------ GPU kernel
-def _check_case(layer: Exl3Layer, dtype, ms, cuda, gen, label=""):
-    """Fresh x per m (all m in one reference call), poisoned outputs, rel L2 vs reference.linear in fp32."""
-    rows = sum(ms)
-    x_all = torch.randn(rows, layer.k, generator=gen).to(dtype)
+# A GPU test draws all its inputs from `gen` first and runs its reference part (everywhere): the reference on a few
+# rows (the first of each m) against the spec's float64 y (tests/exl3_spec.py: its own decoder and Hadamards), for the
+# whole layer where it is small, else for its last 128 output columns (decoding a whole anchor layer on a CPU takes
+# seconds to minutes). Then need_cuda() (skips without a GPU) and the kernel part: the kernel against the whole
+# reference. fp32 reference vs float64: products and sums of k terms, each rounded by <= 2^-24 relative, give ~1e-6
+# relative L2 (k <= 6144); a wrong decode, scale, Hadamard or bias gives O(1).
+REF_TOL = 1e-5
+WHOLE_LAYER_MAX_WEIGHTS = 1 << 20
+
+
+def _column_block(layer: Exl3Layer, j: int) -> Exl3Layer:
+    """Output columns 128j .. 128j+127 as a layer of their own (Hn is block-diagonal: nothing else feeds them)."""
+    cols = slice(128 * j, 128 * j + 128)
+    return Exl3Layer(layer.trellis[:, 8 * j:8 * j + 8].contiguous(), layer.suh, layer.svh[cols], layer.K,
+                     layer.codebook, None if layer.bias is None else layer.bias[cols])
+
+
+def _check_reference(layer: Exl3Layer, x: torch.Tensor, label: str = "") -> None:
+    """The reference part: ref.linear on rows x [r, k] (fp16/bf16) against the spec's float64 y, bias included."""
+    j = None if layer.k * layer.n <= WHOLE_LAYER_MAX_WEIGHTS else layer.n // 128 - 1
+    part = layer if j is None else _column_block(layer, j)
+    got = ref.linear(x, part.trellis, part.suh, part.svh, part.K, part.codebook, part.bias)
+    assert got.dtype == torch.float32 and got.shape == (x.shape[0], part.n)
+    err = rel_l2(got, spec.linear(x, part.trellis, part.suh, part.svh, part.K, part.codebook, part.bias))
+    where = "all columns" if j is None else f"columns {128 * j}..{128 * j + 127}"
+    assert err <= REF_TOL, f"{label} {where}: reference vs spec, rel L2 {err:.3g}"
+
+
+def _draw_case(layer: Exl3Layer, dtype, ms, gen, label=""):
+    """Fresh x for every m, drawn at once: a case for _reference_part and _check_case."""
+    return layer, dtype, ms, torch.randn(sum(ms), layer.k, generator=gen).to(dtype), label
+
+
+def _reference_part(cases) -> None:
+    """Per layer, one reference check on the first row of each m of every case drawn for it (fp16 and bf16 rows both
+    exact in fp32, where the reference takes x)."""
+    rows: dict[int, tuple] = {}
+    for layer, _, ms, x_all, label in cases:
+        starts = [sum(ms[:i]) for i in range(len(ms))]
+        rows.setdefault(id(layer), (layer, label, []))[2].append(x_all[starts].float())
+    for layer, label, xs in rows.values():
+        _check_reference(layer, torch.cat(xs), label)
+
+
+def _check_case(case, cuda):
+    """The kernel part: x per m (all m in one reference call), poisoned outputs, rel L2 vs reference.linear in fp32."""
+    layer, dtype, ms, x_all, label = case
     want_all = ref.linear(x_all.to(cuda), layer.trellis.to(cuda), layer.suh.to(cuda), layer.svh.to(cuda), layer.K,
                           layer.codebook, None if layer.bias is None else layer.bias.to(cuda))
     lg = layer.to(cuda)
@@ -171,77 +215,106 @@ def _check_case(layer: Exl3Layer, dtype, ms, cuda, gen, label=""):
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", ref.CODEBOOKS)
 @pytest.mark.parametrize("K", [2, 3, 4, 5, 6])
-def test_kernel_parity(K, codebook, gen, cuda):
+def test_kernel_parity(K, codebook, gen):
+    cases = []
     for i, (k, n) in enumerate(ANCHOR_SHAPES + AWKWARD_SHAPES):
         layer = random_layer(k, n, K, codebook, bias=(i % 2 == 0), generator=gen)
         for dtype in (torch.float16, torch.bfloat16):
-            _check_case(layer, dtype, MS, cuda, gen, f"{codebook} K={K} {k}x{n}")
+            cases.append(_draw_case(layer, dtype, MS, gen, f"{codebook} K={K} {k}x{n}"))
+    _reference_part(cases)
+    cuda = need_cuda()
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("K", [1, 7, 8])
-def test_kernel_parity_other_rates(K, gen, cuda):
-    for codebook in ref.CODEBOOKS:
-        layer = random_layer(1152, 640, K, codebook, bias=True, generator=gen)
-        _check_case(layer, torch.bfloat16, (1, 9, 64, 200), cuda, gen, f"{codebook} K={K}")
+def test_kernel_parity_other_rates(K, gen):
+    cases = [_draw_case(random_layer(1152, 640, K, codebook, bias=True, generator=gen), torch.bfloat16,
+                        (1, 9, 64, 200), gen, f"{codebook} K={K}") for codebook in ref.CODEBOOKS]
+    _reference_part(cases)
+    cuda = need_cuda()
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["small", "fused", "large"])
-def test_every_variant_at_every_m(variant, gen, cuda, monkeypatch):
+def test_every_variant_at_every_m(variant, gen, monkeypatch):
     """The table sends m > large_m to 'fused' (sm_90) or 'large'; force each variant at the others' m (small
     slices 64 tokens; fused takes 128- and 256-token blocks, partial ones included)."""
-    if variant == "fused" and not fused_available(cuda):
-        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
     _plan(monkeypatch, f"exl3_gemm.variant={variant}")
-    for K, codebook in ((3, "mul1"), (2, "3inst"), (5, "mcg")):
-        layer = random_layer(1024, 768, K, codebook, bias=True, generator=gen)
-        _check_case(layer, torch.float16, (1, 17, 65, 300), cuda, gen, f"{variant} {codebook} K={K}")
+    cases = [_draw_case(random_layer(1024, 768, K, codebook, bias=True, generator=gen), torch.float16,
+                        (1, 17, 65, 300), gen, f"{variant} {codebook} K={K}")
+             for K, codebook in ((3, "mul1"), (2, "3inst"), (5, "mcg"))]
+    _reference_part(cases)
+    cuda = need_cuda()
+    if variant == "fused" and not fused_available(cuda):
+        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a (reference part ran)")
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", sorted(FUSED_BLOCKS))
-def test_fused_block_shapes_and_split_k(block, gen, cuda, monkeypatch):
+def test_fused_block_shapes_and_split_k(block, gen, monkeypatch):
     """Every fused block shape, split k / stream-K (few tiles) and partial token blocks."""
-    if not fused_available(cuda):
-        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
     _plan(monkeypatch, f"exl3_gemm.variant=fused,exl3_gemm.block={block}")
-    for K, codebook in ((2, "mul1"), (4, "mcg"), (1, "3inst")):
-        layer = random_layer(1152, 640, K, codebook, bias=True, generator=gen)
-        _check_case(layer, torch.bfloat16, (65, 129, 300, 513), cuda, gen, f"block={block} {codebook} K={K}")
+    cases = [_draw_case(random_layer(1152, 640, K, codebook, bias=True, generator=gen), torch.bfloat16,
+                        (65, 129, 300, 513), gen, f"block={block} {codebook} K={K}")
+             for K, codebook in ((2, "mul1"), (4, "mcg"), (1, "3inst"))]
+    _reference_part(cases)
+    cuda = need_cuda()
+    if not fused_available(cuda):
+        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a (reference part ran)")
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sk_blocks", ["1", "7", "50", "180"])
-def test_fused_stream_k_block_counts(sk_blocks, gen, cuda, monkeypatch):
+def test_fused_stream_k_block_counts(sk_blocks, gen, monkeypatch):
     """Stream-K (block 0) at forced block counts on 5 strips x 2 token tiles x 18 chunks = 180 iterations: one
     block for all, runs across tiles (7), tiles shared by 3-5 blocks (50), one chunk per block (180, more blocks
     than an H200 holds at once: heads wait on blocks that start only when others finish). Twice in a row: the
     flags must be left zero."""
-    if not fused_available(cuda):
-        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a")
     _plan(monkeypatch, f"exl3_gemm.variant=fused,exl3_gemm.block=0,exl3_gemm.sk_blocks={sk_blocks}")
+    cases = []
     for K, codebook in ((2, "mul1"), (3, "mcg")):
         layer = random_layer(1152, 640, K, codebook, bias=True, generator=gen)
         for _ in range(2):
-            _check_case(layer, torch.bfloat16, (300,), cuda, gen, f"sk={sk_blocks} {codebook} K={K}")
+            cases.append(_draw_case(layer, torch.bfloat16, (300,), gen, f"sk={sk_blocks} {codebook} K={K}"))
+    _reference_part(cases)
+    cuda = need_cuda()
+    if not fused_available(cuda):
+        pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a (reference part ran)")
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prep", ["0", "1"])
-def test_small_variant_with_and_without_prepared_x(prep, gen, cuda, monkeypatch):
+def test_small_variant_with_and_without_prepared_x(prep, gen, monkeypatch):
     """The small kernel reads x' made once by the prep kernel (default from prep_groups groups) or makes it per
     strip itself: both at every token-group count, half rates excluded (whole rates only)."""
     _plan(monkeypatch, f"exl3_gemm.variant=small,exl3_gemm.prep={prep}")
-    for K, codebook in ((2, "mul1"), (4, "3inst"), (8, "mcg")):
-        layer = random_layer(1280, 384, K, codebook, bias=True, generator=gen)
-        _check_case(layer, torch.bfloat16, (1, 9, 17, 33, 64, 100), cuda, gen, f"prep={prep} {codebook} K={K}")
+    cases = [_draw_case(random_layer(1280, 384, K, codebook, bias=True, generator=gen), torch.bfloat16,
+                        (1, 9, 17, 33, 64, 100), gen, f"prep={prep} {codebook} K={K}")
+             for K, codebook in ((2, "mul1"), (4, "3inst"), (8, "mcg"))]
+    _reference_part(cases)
+    cuda = need_cuda()
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
-def test_leading_dims_strided_x_and_out(gen, cuda):
-    layer = random_layer(512, 384, 4, "3inst", bias=True, generator=gen).to(cuda)
-    wide = torch.randn(2, 3, 640, generator=gen).to(cuda, torch.bfloat16)
+def test_leading_dims_strided_x_and_out(gen):
+    layer = random_layer(512, 384, 4, "3inst", bias=True, generator=gen)
+    wide32 = torch.randn(2, 3, 640, generator=gen)
+    _check_reference(layer, wide32[..., :512].to(torch.bfloat16).reshape(6, 512))
+    cuda = need_cuda()
+    layer = layer.to(cuda)
+    wide = wide32.to(cuda, torch.bfloat16)
     x = wide[..., :512]  # row stride 640: no copy needed
     out = torch.full((2, 3, 384), float("nan"), dtype=torch.bfloat16, device=cuda)
     assert exl3_gemm(x, layer, out=out) is out
@@ -250,9 +323,13 @@ def test_leading_dims_strided_x_and_out(gen, cuda):
 
 
 @pytest.mark.gpu
-def test_half_rate_runs_reference_with_notice(gen, cuda):
-    layer = random_layer(256, 128, 2.5, "mul1", generator=gen).to(cuda)
-    x = torch.randn(3, 256, generator=gen).to(cuda, torch.float16)
+def test_half_rate_runs_reference_with_notice(gen):
+    layer = random_layer(256, 128, 2.5, "mul1", generator=gen)
+    x32 = torch.randn(3, 256, generator=gen)
+    _check_reference(layer, x32.half())
+    cuda = need_cuda()
+    layer = layer.to(cuda)
+    x = x32.to(cuda, torch.float16)
     with pytest.warns(UserWarning, match="half rate"):
         y = exl3_gemm(x, layer)
     want = ref.linear(x, layer.trellis, layer.suh, layer.svh, 2.5, "mul1")
@@ -261,13 +338,17 @@ def test_half_rate_runs_reference_with_notice(gen, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,shapes", [(4, ((5120, 1152), (4096, 5120))), (300, ((5120, 12288), (5120, 4096)))])
-def test_two_streams_concurrently(m, shapes, gen, cuda):
+def test_two_streams_concurrently(m, shapes, gen):
     """Two GEMMs on two streams at once (separate workspaces): both finish and both are right. m=300 on sm_90:
     stream-K (its head blocks wait on later blocks) beside a k-split fused GEMM, competing for SMs."""
     (k0, n0), (k1, n1) = shapes
-    layers = [random_layer(k0, n0, 2, "mul1", generator=gen).to(cuda),
-              random_layer(k1, n1, 3, "mcg", generator=gen).to(cuda)]
-    xs = [torch.randn(m, L.k, generator=gen).to(cuda, torch.bfloat16) for L in layers]
+    layers = [random_layer(k0, n0, 2, "mul1", generator=gen), random_layer(k1, n1, 3, "mcg", generator=gen)]
+    xs32 = [torch.randn(m, L.k, generator=gen) for L in layers]
+    for L, x in zip(layers, xs32):
+        _check_reference(L, x[[0, m - 1]].to(torch.bfloat16), f"{L.k}x{L.n}")
+    cuda = need_cuda()
+    layers = [L.to(cuda) for L in layers]
+    xs = [x.to(cuda, torch.bfloat16) for x in xs32]
     want = [exl3_gemm(x, L).float() for x, L in zip(xs, layers)]
     torch.cuda.synchronize()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
@@ -295,18 +376,22 @@ def test_two_streams_concurrently(m, shapes, gen, cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(1, 5120, 1152), (16, 5120, 1152), (300, 5120, 1152), (300, 5120, 4096),
                                    (512, 4096, 5120)])
-def test_cuda_graph_capture_and_replay(m, k, n, gen, cuda):
+def test_cuda_graph_capture_and_replay(m, k, n, gen):
     """Capture once, replay with fresh x. m >= 300 on sm_90 covers the fused kernel's modes: both block shapes
     with k split (5120x1152: 128 x 128, 5120x4096: 128 x 256), stream-K (4096x5120 at m=512)."""
-    layer = random_layer(k, n, 3, "mul1", bias=True, generator=gen).to(cuda)
-    x = torch.randn(m, layer.k, generator=gen).to(cuda, torch.float16)
+    layer = random_layer(k, n, 3, "mul1", bias=True, generator=gen)
+    xs32 = [torch.randn(m, layer.k, generator=gen) for _ in range(4)]  # the capture's x, then one per replay
+    _check_reference(layer, torch.cat([x[:1] for x in xs32]).half())
+    cuda = need_cuda()
+    layer = layer.to(cuda)
+    x = xs32[0].to(cuda, torch.float16)
     exl3_gemm(x, layer)  # warm-up outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = exl3_gemm(x, layer)
-    for _ in range(3):
-        x.copy_(torch.randn(m, layer.k, generator=gen).to(cuda, torch.float16))
+    for x32 in xs32[1:]:
+        x.copy_(x32.to(cuda, torch.float16))
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -317,11 +402,15 @@ def test_cuda_graph_capture_and_replay(m, k, n, gen, cuda):
 
 
 @pytest.mark.gpu
-def test_graph_never_replayed_does_not_poison_the_next(gen, cuda):
+def test_graph_never_replayed_does_not_poison_the_next(gen):
     """A workspace allocated inside capture A (never replayed) must still be clean for graph B and eager calls."""
-    small = random_layer(256, 256, 2, "mcg", generator=gen).to(cuda)
-    big = random_layer(256, 128 * 300, 2, "mcg", generator=gen).to(cuda)  # n larger than any before: grows
-    x = torch.randn(3, 256, generator=gen).to(cuda, torch.bfloat16)
+    small = random_layer(256, 256, 2, "mcg", generator=gen)
+    big = random_layer(256, 128 * 300, 2, "mcg", generator=gen)  # n larger than any before: grows
+    x32 = torch.randn(3, 256, generator=gen)
+    _check_reference(big, x32.to(torch.bfloat16))
+    cuda = need_cuda()
+    small, big = small.to(cuda), big.to(cuda)
+    x = x32.to(cuda, torch.bfloat16)
     exl3_gemm(x, small)
     torch.cuda.synchronize()
     ga, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()

@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_exl3_gemm import TOL, _dense, _plan  # the single-matrix op's tolerances and checks
+from test_exl3_gemm import TOL, _check_reference, _dense, _plan  # the single-matrix op's tolerance, checks
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_layer
 from twinspark.ops import exl3_gemm, exl3_gemm_grouped, plans
 from twinspark.ops.exl3_gemm_grouped import Exl3GroupedLayer, stack_layers
 from twinspark.ops.workspace import workspace
-from twinspark.testing import poison_allocator, rel_l2
+from twinspark.testing import need_cuda, poison_allocator, rel_l2
 
 MS = (1, 2, 3, 4, 8, 16, 64, 65, 130)
 
@@ -107,11 +107,32 @@ def test_opcheck_and_fake_shapes(gen):
 
 
 # ------------------------------------------------------------------------------------------------ GPU kernel
-def _check_case(layer: Exl3GroupedLayer, dtype, ms, cuda, gen, label=""):
-    """Fresh x per m (all m in one reference call per group), poisoned outputs, rel L2 per group vs
-    reference.linear in fp32 (the spec decoder's weight)."""
-    G, rows = layer.groups, sum(ms)
-    x_all = torch.randn(rows, G, layer.k, generator=gen).to(dtype).to(cuda)
+# As in test_exl3_gemm.py: a GPU test draws its inputs first and runs its reference part everywhere (every group's
+# reference on a few rows against the spec's float64 y: test_exl3_gemm._check_reference), then need_cuda() and the
+# kernel part.
+def _draw_case(layer: Exl3GroupedLayer, dtype, ms, gen, label=""):
+    """Fresh x [rows, G, k] for every m, drawn at once: a case for _reference_part and _check_case."""
+    return layer, dtype, ms, torch.randn(sum(ms), layer.groups, layer.k, generator=gen).to(dtype), label
+
+
+def _reference_part(cases) -> None:
+    """Per layer and group, one reference check on the first row of each m of every case drawn for the layer."""
+    rows: dict[int, tuple] = {}
+    for layer, _, ms, x_all, label in cases:
+        starts = [sum(ms[:i]) for i in range(len(ms))]
+        rows.setdefault(id(layer), (layer, label, []))[2].append(x_all[starts].float())
+    for layer, label, xs in rows.values():
+        x = torch.cat(xs)
+        for g in range(layer.groups):
+            _check_reference(layer.group(g), x[:, g], f"{label} group {g}")
+
+
+def _check_case(case, cuda):
+    """The kernel part: x per m (all m in one reference call per group), poisoned outputs, rel L2 per group vs
+    reference.linear in fp32."""
+    layer, dtype, ms, x_all, label = case
+    G = layer.groups
+    x_all = x_all.to(cuda)
     lg = layer.to(cuda)
     want_all = torch.stack([ref.linear(x_all[:, g], lg.trellis[g], lg.suh[g], lg.svh[g], layer.K, layer.codebook,
                                        None if lg.bias is None else lg.bias[g]) for g in range(G)], dim=1)
@@ -130,38 +151,54 @@ def _check_case(layer: Exl3GroupedLayer, dtype, ms, cuda, gen, label=""):
 @pytest.mark.gpu
 @pytest.mark.parametrize("K", [4, 5])
 @pytest.mark.parametrize("G", [4, 8])
-def test_kernel_parity_wo_a(G, K, gen, cuda):
+def test_kernel_parity_wo_a(G, K, gen):
     """wo_a at TP 2 (4 groups) and TP 1 (8): 4096 -> 1024, mul1; K=5 (V4.1), K=4 (the draft model)."""
     layer = _grouped(G, 4096, 1024, K, "mul1", gen)
-    for dtype in (torch.float16, torch.bfloat16):
-        _check_case(layer, dtype, MS, cuda, gen, f"wo_a G={G} K={K}")
+    cases = [_draw_case(layer, dtype, MS, gen, f"wo_a G={G} K={K}") for dtype in (torch.float16, torch.bfloat16)]
+    _reference_part(cases)
+    cuda = need_cuda()
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", ref.CODEBOOKS)
 @pytest.mark.parametrize("K", [1, 2, 3, 6, 8])
-def test_kernel_parity_codebooks_and_rates(K, codebook, gen, cuda):
+def test_kernel_parity_codebooks_and_rates(K, codebook, gen):
     layer = _grouped(3, 1024, 384, K, codebook, gen, bias=(K % 2 == 0))
-    for dtype in (torch.float16, torch.bfloat16):
-        _check_case(layer, dtype, (1, 3, 9, 33, 64, 100), cuda, gen, f"{codebook} K={K}")
+    cases = [_draw_case(layer, dtype, (1, 3, 9, 33, 64, 100), gen, f"{codebook} K={K}")
+             for dtype in (torch.float16, torch.bfloat16)]
+    _reference_part(cases)
+    cuda = need_cuda()
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prep", ["0", "1"])
-def test_small_kernel_slices_with_and_without_prepared_x(prep, gen, cuda, monkeypatch):
+def test_small_kernel_slices_with_and_without_prepared_x(prep, gen, monkeypatch):
     """The grouped small kernel at every token-group count and in 64-token slices (m > 64 forced to 'small'), its
     x' made per strip or by the grouped prep kernel ([G, m, k] in one launch)."""
     _plan(monkeypatch, f"exl3_gemm.variant=small,exl3_gemm.prep={prep}")
-    for K, codebook in ((5, "mul1"), (3, "3inst"), (4, "mcg")):
-        layer = _grouped(4, 1280, 512, K, codebook, gen, bias=True)
-        _check_case(layer, torch.bfloat16, (1, 9, 17, 33, 64, 65, 130), cuda, gen, f"prep={prep} {codebook} K={K}")
+    cases = [_draw_case(_grouped(4, 1280, 512, K, codebook, gen, bias=True), torch.bfloat16,
+                        (1, 9, 17, 33, 64, 65, 130), gen, f"prep={prep} {codebook} K={K}")
+             for K, codebook in ((5, "mul1"), (3, "3inst"), (4, "mcg"))]
+    _reference_part(cases)
+    cuda = need_cuda()
+    for case in cases:
+        _check_case(case, cuda)
 
 
 @pytest.mark.gpu
-def test_strided_x_and_one_group(gen, cuda):
+def test_strided_x_and_one_group(gen):
     """x as a [T, G, k] view of a [G, T, k + 128] buffer (token stride k + 128, group stride T (k + 128)); G = 1."""
-    layer = _grouped(4, 1024, 512, 5, "mul1", gen).to(cuda)
-    wide = torch.randn(4, 6, 1024 + 128, generator=gen).to(cuda, torch.bfloat16)
+    layer = _grouped(4, 1024, 512, 5, "mul1", gen)
+    wide32 = torch.randn(4, 6, 1024 + 128, generator=gen)
+    for g in range(4):
+        _check_reference(layer.group(g), wide32[g, :, :1024].to(torch.bfloat16), f"group {g}")
+    cuda = need_cuda()
+    layer = layer.to(cuda)
+    wide = wide32.to(cuda, torch.bfloat16)
     x = wide[..., :1024].transpose(0, 1)
     y = exl3_gemm_grouped(x, layer)
     for g in range(4):
@@ -174,10 +211,15 @@ def test_strided_x_and_one_group(gen, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_matches_exl3_gemm_group_by_group(m, gen, cuda):
+def test_matches_exl3_gemm_group_by_group(m, gen):
     """Same kernel, one launch vs G launches: only the fp32 split-k atomic order differs (bf16 roundings)."""
-    layer = _grouped(8, 4096, 1024, 5, "mul1", gen).to(cuda)
-    x = torch.randn(m, 8, 4096, generator=gen).to(cuda, torch.bfloat16)
+    layer = _grouped(8, 4096, 1024, 5, "mul1", gen)
+    x32 = torch.randn(m, 8, 4096, generator=gen)
+    for g in range(8):
+        _check_reference(layer.group(g), x32[[0, m - 1], g].to(torch.bfloat16), f"group {g}")
+    cuda = need_cuda()
+    layer = layer.to(cuda)
+    x = x32.to(cuda, torch.bfloat16)
     y = exl3_gemm_grouped(x, layer)
     for g in range(8):
         assert rel_l2(y[:, g].float(), exl3_gemm(x[:, g], layer.group(g)).float()) <= 1e-3
@@ -191,10 +233,16 @@ def _workspace_is_zero(device, stream) -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("G,m", [(4, 1), (8, 4), (8, 64)])
-def test_cuda_graph_capture_and_replay(G, m, gen, cuda):
+def test_cuda_graph_capture_and_replay(G, m, gen):
     """Capture once, replay twice with fresh x and a NaN-poisoned output; the workspace is zero after each."""
-    layer = _grouped(G, 4096, 1024, 5, "mul1", gen).to(cuda)
-    x = torch.randn(m, G, 4096, generator=gen).to(cuda, torch.bfloat16)
+    layer = _grouped(G, 4096, 1024, 5, "mul1", gen)
+    xs32 = [torch.randn(m, G, 4096, generator=gen) for _ in range(3)]  # the capture's x, then one per replay
+    rows = torch.cat([x[:1] for x in xs32]).to(torch.bfloat16)
+    for g in range(G):
+        _check_reference(layer.group(g), rows[:, g], f"group {g}")
+    cuda = need_cuda()
+    layer = layer.to(cuda)
+    x = xs32[0].to(cuda, torch.bfloat16)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         exl3_gemm_grouped(x, layer)  # warm-up on the capture stream: its workspace exists before the capture
@@ -202,8 +250,8 @@ def test_cuda_graph_capture_and_replay(G, m, gen, cuda):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         y = exl3_gemm_grouped(x, layer)
-    for _ in range(2):
-        x.copy_(torch.randn(m, G, 4096, generator=gen).to(cuda, torch.bfloat16))
+    for x32 in xs32[1:]:
+        x.copy_(x32.to(cuda, torch.bfloat16))
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import exl3_spec as spec
 import pytest
 import torch
 from twinspark import _ext, gb10
@@ -24,7 +25,7 @@ from twinspark.ops.exl3_moe import (
 )
 from twinspark.ops.workspace import workspace
 from twinspark.reference.exl3_moe import exl3_moe as reference_moe
-from twinspark.testing import rel_l2
+from twinspark.testing import need_cuda, rel_l2
 
 
 def _plan(monkeypatch, spec: str) -> None:
@@ -402,43 +403,124 @@ def _check_kernel(cuda, ex, exd, x, ids, w, limit=None):
     return got.cpu(), want
 
 
-def _gpu_case(cuda, gen, T, top_k, E=16, H=512, inter=256, rates=((3, 3, 3),), first=0, limit=None,
-              dtype=torch.bfloat16, ids=None, codebook="mul1"):
+# The reference part of every GPU test (runs everywhere, before need_cuda()): the reference on a few tokens of each
+# input set the test draws (the first and last; the first only at hidden x inter above 2^20) against a float64 loop
+# over their (token, slot) pairs through the spec decoder's weights (tests/exl3_spec.py), in one reference call per
+# layer. Past inter = 256 both take the first 128 intermediate columns (the rank-0 slice of an inter/128-way tensor
+# parallel split: gate/up columns and down rows 0..127), which add up to the whole with the other slices
+# (test_tensor_parallel_split_sums_to_the_whole): decoding whole experts of the model's size on a CPU takes minutes.
+# fp32 reference vs float64: two GEMMs of <= 5120 terms, each rounding by <= 2^-24 relative: ~1e-6; a wrong decode,
+# route, weight or activation gives O(1).
+REF_TOL = 1e-5
+
+
+def _slice_inter(ex: ml.Exl3MoeExperts) -> ml.Exl3MoeExperts:
+    if ex.inter <= 256:
+        return ex
+    world = ex.inter // 128
+    return ml.from_layers([tuple(ml.shard_intermediate(ex.layer(e, p), p, 0, world) for p in range(3))
+                           for e in range(ex.num_experts)], first_expert=ex.first_expert)
+
+
+def _pairs_f64(ex: ml.Exl3MoeExperts, x, ids, w, limit=None) -> torch.Tensor:
+    """Independent of the reference: per (token, slot), y += w * down(silu(gate(x)) * up(x)) in float64 with the spec
+    decoder's W (each matrix decoded once)."""
+    weights: dict[tuple[int, int], torch.Tensor] = {}
+
+    def weight(e, p):
+        if (e, p) not in weights:
+            m = ex.layer(e, p)
+            weights[e, p] = torch.from_numpy(spec.weight(m.trellis, m.suh, m.svh, m.K, m.codebook))
+        return weights[e, p]
+
+    out = torch.zeros(x.shape[0], ex.hidden, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - ex.first_expert
+            if not 0 <= e < ex.num_experts:
+                continue
+            xt = x[t].double()
+            a, b = xt @ weight(e, 0), xt @ weight(e, 1)
+            if limit is not None:
+                a, b = a.clamp(max=limit), b.clamp(-limit, limit)
+            out[t] += float(w[t, j]) * ((a * torch.sigmoid(a) * b) @ weight(e, 2))
+    return out
+
+
+def _reference_part(ex: ml.Exl3MoeExperts, inputs, limit=None, label="") -> None:
+    """inputs: [(x, ids, w)] the kernel part will run on ex; their probe tokens in one reference call, ids padded
+    with -1 (no expert) to the widest top_k."""
+    big = ex.hidden * ex.inter > 1 << 20
+    xs, idss, ws = [], [], []
+    for x, ids, w in inputs:
+        T = x.shape[0]
+        assert x.shape == (T, ex.hidden) and x.dtype in (torch.bfloat16, torch.float16)
+        assert ids.shape == w.shape and ids.shape[0] == T and ids.dtype == torch.int32 and torch.isfinite(w).all()
+        rows = [0] if big else sorted({0, T - 1})
+        xs.append(x[rows].float())
+        idss.append(ids[rows].long())
+        ws.append(w[rows].float())
+    top_k = max(i.shape[1] for i in idss)
+    x = torch.cat(xs)
+    ids = torch.cat([torch.nn.functional.pad(i, (0, top_k - i.shape[1]), value=-1) for i in idss])
+    w = torch.cat([torch.nn.functional.pad(v, (0, top_k - v.shape[1])) for v in ws])
+    part = _slice_inter(ex)
+    got = reference_moe(x, ids, w, part, limit=limit)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    err = rel_l2(got, _pairs_f64(part, x, ids, w, limit))
+    assert err <= REF_TOL, f"{label}: reference vs spec pairs, rel L2 {err:.3g}"
+
+
+def _case(gen, T, top_k, E=16, H=512, inter=256, rates=((3, 3, 3),), first=0, limit=None, dtype=torch.bfloat16,
+          ids=None, codebook="mul1"):
+    """A random layer and inputs, with the reference part run on them: a case for _run."""
     ex = ml.random_experts(E, H, inter, rates=[rates[e % len(rates)] for e in range(E)], codebook=codebook,
                            first_expert=first, generator=gen)
     x, ids, w = _inputs(gen, T, top_k, E, H, first, dtype, ids)
+    _reference_part(ex, [(x, ids, w)], limit, f"T={T} top_k={top_k}")
+    return ex, x, ids, w, limit
+
+
+def _run(case, cuda):
+    """The kernel part of a case: (kernel output, reference) on the CPU."""
+    ex, x, ids, w, limit = case
     return _check_kernel(cuda, ex, ex.to(cuda), x, ids, w, limit)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 8, 17, 64, 512])
 @pytest.mark.parametrize("top_k", [1, 2, 6, 8])
-def test_kernel_matches_reference(T, top_k, gen, cuda):
-    got, want = _gpu_case(cuda, gen, T, top_k)
+def test_kernel_matches_reference(T, top_k, gen):
+    case = _case(gen, T, top_k)
+    got, want = _run(case, need_cuda())
     assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splitk", [1, 3, 7, 40])
-def test_kernel_forced_splits(splitk, gen, cuda, monkeypatch):
+def test_kernel_forced_splits(splitk, gen, monkeypatch):
     """Decode with gate/up split over H at every kind of part size (40 k-blocks: one chunk of A, several, parts
     of one k-block), at the model's dimensions."""
     _plan(monkeypatch, f"exl3_moe.split_k={splitk}")
-    for T, top_k in ((1, 6), (3, 4), (8, 8)):
-        got, want = _gpu_case(cuda, gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3)))
+    cases = [(T, top_k, _case(gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3))))
+             for T, top_k in ((1, 6), (3, 4), (8, 8))]
+    cuda = need_cuda()
+    for T, top_k, case in cases:
+        got, want = _run(case, cuda)
         assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} splitk={splitk}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, top_k, dup", [(1, 6, False), (1, 6, True), (1, 1, False), (1, 8, False)])
-def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
+def test_kernel_mixed_split(T, top_k, dup, gen, monkeypatch):
     """The planned decode split at the model's dimensions, where (item, columns) groups differ in part count
     (T=1, top-6: 3 and 4 parts); with duplicate ids fewer items than the grid covers are real."""
     _plan(monkeypatch, "exl3_moe.split_k=auto")
     ids = None
     if dup:
         ids = torch.tensor([[2, 5, 2, 7, 5, 2]], dtype=torch.int32)
-    got, want = _gpu_case(cuda, gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3)), ids=ids)
+    case = _case(gen, T, top_k, E=12, H=5120, inter=1152, rates=((2, 3, 4), (4, 2, 3)), ids=ids)
+    got, want = _run(case, need_cuda())
     assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} dup={dup}"
 
 
@@ -446,7 +528,7 @@ def test_kernel_mixed_split(T, top_k, dup, gen, cuda, monkeypatch):
 @pytest.mark.parametrize(("rates", "codebook"), [(((2, 2, 2),), "mul1"), (((3, 3, 2),), "mcg"),
                                                  (((4, 4, 3),), "3inst"), (((2.5, 2.5, 4),), "mul1"),
                                                  (((4, 4, 3), (4, 4, 2)), "mul1")])  # half rates: mul1 only
-def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
+def test_kernel_rate_kernels(rates, codebook, gen, monkeypatch):
     """Layers whose gate/up (down) matrices share one rate run the 16-row kernels compiled for that rate alone in
     decode (words13 / words2; the last case: gate/up only, down dispatches per expert); the same layer through the
     kernels that dispatch on every expert's rate (exl3_moe.rate_kernels=0), the rate kernels reading offsets instead
@@ -458,6 +540,9 @@ def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
                            generator=gen)
     assert ex.words13 == ref.words_per_tile(rates[0][0])
     assert ex.words2 == (ref.words_per_tile(rates[0][2]) if len(rates) == 1 else 0)
+    inputs = [(T, _inputs(gen, T, top_k, 12, 5120)) for T, top_k in ((1, 6), (4, 6), (8, 6), (17, 6))]
+    _reference_part(ex, [i for _, i in inputs], label=f"{rates} {codebook}")
+    cuda = need_cuda()
     exd = ex.to(cuda)
     # rate kernels (with both rates uniform: matrices placed by packed_strides; mul1: gate/up at 4 blocks per SM),
     # the same with offsets read, at 3 gate/up blocks per SM, the dispatching kernels
@@ -469,8 +554,7 @@ def test_kernel_rate_kernels(rates, codebook, gen, cuda, monkeypatch):
                "rate, down 2-3 per SM": ("1", "1", "auto", "0", "auto"),
                "rate, down 4 per SM everywhere": ("1", "1", "auto", "auto", "4"),
                "dispatch": ("0", "1", "auto", "auto", "auto")}
-    for T, top_k in ((1, 6), (4, 6), (8, 6), (17, 6)):
-        x, ids, w = _inputs(gen, T, top_k, 12, 5120)
+    for T, (x, ids, w) in inputs:
         outs = {}
         for name, (rate_kernels, packed, gate_up4, down4, down_blocks) in configs.items():
             _plan(monkeypatch, f"exl3_moe.rate_kernels={rate_kernels},exl3_moe.packed={packed},"
@@ -502,27 +586,29 @@ def test_kernel_prefill_prep(prep, gen, cuda, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("early", ["0", "1"])
-def test_kernel_early_down(early, gen, cuda, monkeypatch):
+def test_kernel_early_down(early, gen, monkeypatch):
     """16-row items with the down blocks waiting for their own item's activations (early) or for the whole gate/up
     grid: decode (in-block routing) and the routing launch, three calls at each size; after every call the
     per-stream counters (shared by calls of every size, laid out by max_items) must be zero again."""
     _plan(monkeypatch, f"exl3_moe.early_down={early}")
     ex = ml.random_experts(16, 1024, 1152, rates=[(2, 3, 4), (3, 2, 2.5), (4, 4, 2)], codebook="mul1",
                            generator=gen)
+    calls = [(T, top_k, call, _inputs(gen, T, top_k, 16, 1024))
+             for T, top_k in ((1, 6), (4, 6), (3, 8), (17, 6), (1, 6)) for call in range(3)]
+    _reference_part(ex, [c[3] for c in calls])
+    cuda = need_cuda()
     exd = ex.to(cuda)
-    for T, top_k in ((1, 6), (4, 6), (3, 8), (17, 6), (1, 6)):
-        for call in range(3):
-            x, ids, w = _inputs(gen, T, top_k, 16, 1024)
-            got, want = _check_kernel(cuda, ex, exd, x, ids, w)
-            assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} call {call}"
-            counters = workspace(exd.trellis.device).zeroed("moe_act_counters", 1, torch.int32, 0)
-            assert not counters.any(), f"T={T} call {call}: counters left {counters.nonzero().flatten().tolist()}"
+    for T, top_k, call, (x, ids, w) in calls:
+        got, want = _check_kernel(cuda, ex, exd, x, ids, w)
+        assert rel_l2(got, want) <= TOL, f"T={T} top_k={top_k} call {call}"
+        counters = workspace(exd.trellis.device).zeroed("moe_act_counters", 1, torch.int32, 0)
+        assert not counters.any(), f"T={T} call {call}: counters left {counters.nonzero().flatten().tolist()}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bytesum", ["0", "1"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
-def test_kernel_bytesum_rows(rows, bytesum, gen, cuda, monkeypatch):
+def test_kernel_bytesum_rows(rows, bytesum, gen, monkeypatch):
     """mul1 items of 1-4 rows take the byte-sum mma (x' as int8 hi/lo per row and k-block), 5 rows the fp16 decode;
     both switch settings at the model's dimensions (x' chunks of 32 / 16 / 10 / 8 k-blocks in gate/up, whole
     rates and a half rate). Row 1 is all zeros (a zero scale), row 2 has one channel 1000x the rest."""
@@ -535,8 +621,12 @@ def test_kernel_bytesum_rows(rows, bytesum, gen, cuda, monkeypatch):
         x[1] = 0
     if rows > 2:
         x[2, 77] = 1000 * x[2].abs().max()
-    for e in range(4):  # every pair on expert e: one item of `rows` rows
-        ids = torch.full((rows, 1), e, dtype=torch.int32)
+    per_expert = [torch.full((rows, 1), e, dtype=torch.int32) for e in range(4)]
+    _reference_part(ex, [(x, ids, w) for ids in per_expert])
+    zero = reference_moe(x.float(), per_expert[0], w, _slice_inter(ex))  # any slice of a zero token's output is zero
+    assert rows < 2 or not zero[1].any(), "a zero token must give a zero reference output"
+    cuda = need_cuda()
+    for e, ids in enumerate(per_expert):  # every pair on expert e: one item of `rows` rows
         got, want = _check_kernel(cuda, ex, ex.to(cuda), x, ids, w)
         for r in range(rows):  # per token: the outlier row would hide the others' errors in one norm
             if r == 1:
@@ -547,58 +637,68 @@ def test_kernel_bytesum_rows(rows, bytesum, gen, cuda, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("top_k", [3, 4, 5, 7])
-def test_kernel_other_top_k(top_k, gen, cuda):
-    got, want = _gpu_case(cuda, gen, 5, top_k)
+def test_kernel_other_top_k(top_k, gen):
+    case = _case(gen, 5, top_k)
+    got, want = _run(case, need_cuda())
     assert rel_l2(got, want) <= TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 512, 2048])
-def test_kernel_all_tokens_on_one_expert(T, gen, cuda):
+def test_kernel_all_tokens_on_one_expert(T, gen):
     """One expert gets every pair: many items of one expert (64-row items from T=512 on)."""
-    got, want = _gpu_case(cuda, gen, T, 1, ids=torch.full((T, 1), 3, dtype=torch.int32))
+    case = _case(gen, T, 1, ids=torch.full((T, 1), 3, dtype=torch.int32))
+    got, want = _run(case, need_cuda())
     assert rel_l2(got, want) <= TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [2, 8, 64, 512])
-def test_kernel_duplicates_and_idle_experts(T, gen, cuda):
+def test_kernel_duplicates_and_idle_experts(T, gen):
     """Ids repeat inside rows (both pairs count) and most experts get no token."""
     ids = torch.randint(0, 3, (T, 6), generator=gen, dtype=torch.int32)
-    got, want = _gpu_case(cuda, gen, T, 6, ids=ids)
+    case = _case(gen, T, 6, ids=ids)
+    got, want = _run(case, need_cuda())
     assert rel_l2(got, want) <= TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4, 64, 512])
-def test_kernel_mixed_rates_limit_fp16(T, gen, cuda):
+def test_kernel_mixed_rates_limit_fp16(T, gen):
     rates = ((2, 3, 4), (2.5, 3.5, 1.5), (4, 4, 2), (5, 6, 8), (1, 7, 3))
-    got, want = _gpu_case(cuda, gen, T, 4, rates=rates, limit=0.8, dtype=torch.float16)
+    case = _case(gen, T, 4, rates=rates, limit=0.8, dtype=torch.float16)
+    got, want = _run(case, need_cuda())
     assert rel_l2(got, want) <= TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codebook", ["3inst", "mcg"])
-def test_kernel_other_codebooks(codebook, gen, cuda):
-    got, want = _gpu_case(cuda, gen, 6, 3, E=8, H=256, inter=128, rates=((3, 4, 2),), codebook=codebook)
+def test_kernel_other_codebooks(codebook, gen):
+    case = _case(gen, 6, 3, E=8, H=256, inter=128, rates=((3, 4, 2),), codebook=codebook)
+    got, want = _run(case, need_cuda())
     assert rel_l2(got, want) <= TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64])
-def test_kernel_expert_range(T, gen, cuda):
+def test_kernel_expert_range(T, gen):
     """This rank holds global experts 32..47 of 64; ids elsewhere (and -1) count nothing."""
     E, first = 16, 32
     ids = torch.randint(-1, 64, (T, 6), generator=gen, dtype=torch.int32)
     ids[0, 0] = first  # at least one local pair
-    got, want = _gpu_case(cuda, gen, T, 6, E=E, first=first, ids=ids)
+    case = _case(gen, T, 6, E=E, first=first, ids=ids)
+    foreign = _case(gen, T, 6, E=E, first=first, ids=torch.full((T, 6), 3, dtype=torch.int32))
+    ex0, x0, ids0, w0, _ = foreign
+    assert not reference_moe(x0.float(), ids0, w0, ex0).any(), "ids of another rank only: the reference must be zero"
+    cuda = need_cuda()
+    got, want = _run(case, cuda)
     assert rel_l2(got, want) <= TOL
-    got0, _ = _gpu_case(cuda, gen, T, 6, E=E, first=first, ids=torch.full((T, 6), 3, dtype=torch.int32))
+    got0, _ = _run(foreign, cuda)
     assert torch.count_nonzero(got0) == 0
 
 
 @pytest.mark.gpu
-def test_kernel_trace_marks(gen, cuda):
+def test_kernel_trace_marks(gen):
     """A trace buffer (bench/profile_exl3.py --trace) leaves the result alone. A release build ignores it; a
     TWINSPARK_TRACE=1 build marks every block that ran, its marks in time order (start <= routed <= body done <=
     end), and exactly one gate/up block per (item, 128 columns of I) makes the activations."""
@@ -607,8 +707,12 @@ def test_kernel_trace_marks(gen, cuda):
     from twinspark import _ext
 
     mod = importlib.import_module("twinspark.ops.exl3_moe")
-    ex = ml.random_experts(12, 5120, 1152, rates=[(2, 3, 4)] * 12, generator=gen).to(cuda)
-    x, ids, w = (t.to(cuda) for t in _inputs(gen, 1, 6, 12, 5120))
+    ex_cpu = ml.random_experts(12, 5120, 1152, rates=[(2, 3, 4)] * 12, generator=gen)
+    inputs = _inputs(gen, 1, 6, 12, 5120)
+    _reference_part(ex_cpu, [inputs])
+    cuda = need_cuda()
+    ex = ex_cpu.to(cuda)
+    x, ids, w = (t.to(cuda) for t in inputs)
     buf = torch.zeros(_ext.module().trace_shape, dtype=torch.int64, device=cuda)
     args = (x, ids, w, ex.trellis, ex.offsets, ex.words, ex.suh13, ex.svh13, ex.suh2, ex.svh2, ex.first_expert,
             ex.max_words, ex.words13, ex.words2, ex.codebook, None)
@@ -630,15 +734,17 @@ def test_kernel_trace_marks(gen, cuda):
 
 
 @pytest.mark.gpu
-def test_kernel_two_streams_and_graph(gen, cuda):
+def test_kernel_two_streams_and_graph(gen):
     """Three streams at once give the results of one (two of them use per-stream arrival counters); the op
     captures into a CUDA graph and routes on replay."""
     E, H, inter = 16, 512, 256
     ex = ml.random_experts(E, H, inter, rates=(3, 2, 4), generator=gen)
+    drawn = [_inputs(gen, T, 6, E, H) for T in (4, 40, 300)]  # decode, routing launch (16-row items), prefill (64)
+    replays = [_inputs(gen, 4, 6, E, H) for _ in range(3)]  # fresh routing for each replay
+    _reference_part(ex, drawn + replays)
+    cuda = need_cuda()
     exd = ex.to(cuda)
-    small = [t.to(cuda) for t in _inputs(gen, 4, 6, E, H)]  # decode configuration
-    mid = [t.to(cuda) for t in _inputs(gen, 40, 6, E, H)]  # routing launch, 16-row items
-    large = [t.to(cuda) for t in _inputs(gen, 300, 6, E, H)]  # prefill configuration (64-row items)
+    small, mid, large = ([t.to(cuda) for t in inputs] for inputs in drawn)
     firsts = [exl3_moe(*args, exd) for args in (small, mid, large)]
     torch.cuda.synchronize()
     streams = [torch.cuda.Stream() for _ in range(3)]
@@ -659,8 +765,7 @@ def test_kernel_two_streams_and_graph(gen, cuda):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = exl3_moe(xs, ids_s, ws, exd)
-    for _ in range(3):  # fresh routing each replay: the graph must route on the device
-        x, ids, w = _inputs(gen, 4, 6, E, H)
+    for x, ids, w in replays:  # fresh routing each replay: the graph must route on the device
         xs.copy_(x.to(cuda)), ids_s.copy_(ids.to(cuda)), ws.copy_(w.to(cuda))
         graph.replay()
         torch.cuda.synchronize()
@@ -668,7 +773,7 @@ def test_kernel_two_streams_and_graph(gen, cuda):
 
 
 @pytest.mark.gpu
-def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
+def test_kernel_pdl_waits_for_the_kernel_before(gen, monkeypatch):
     """gate/up launched with programmatic dependent launch (by default under graph capture; forced here) may be
     scheduled while the kernel before it drains and must wait for it. Chains of calls that each take the previous
     call's output (no sync in between; the kernel before gate/up is the previous call's down, or a scale kernel) give
@@ -678,13 +783,16 @@ def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
     output RMS 1 (the layer is linear in them), and both timed chains use those."""
     E, H, inter = 16, 512, 256
     ex = ml.random_experts(E, H, inter, rates=(3, 2, 4), generator=gen)
+    drawn = [(T, _inputs(gen, T, 6, E, H)) for T in (1, 40, 300)]  # decode, the routing launch, prefill items
+    _reference_part(ex, [i for _, i in drawn])
+    cuda = need_cuda()
     exd = ex.to(cuda)
 
     def scale(y, step):  # after odd calls the next call's kernel before is this scale kernel, else the last down
         return y * 0.5 if step % 2 else y
 
-    for T in (1, 40, 300):  # decode, the routing launch, prefill items
-        x, ids, w = (t.to(cuda) for t in _inputs(gen, T, 6, E, H))
+    for T, inputs in drawn:
+        x, ids, w = (t.to(cuda) for t in inputs)
         y, ws = x, []
         for step in range(6):
             out = exl3_moe(y, ids, w, exd)
@@ -707,18 +815,24 @@ def test_kernel_pdl_waits_for_the_kernel_before(gen, cuda, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_kernel_decode_residency(gen, cuda, monkeypatch):
+def test_kernel_decode_residency(gen, monkeypatch):
     """The decode kernels get the residency they are sized for, before and after calls: gate/up 4 blocks per SM (mul1,
     one rate: 64 registers; 3, 80 registers, with exl3_moe.gate_up4=0), down at one token 2 (its shared
     memory padded so a third does not fit; cuda/exl3_moe/DESIGN.md "Launch plan": a first launch whose occupancy
     query ran before the shared-memory attribute was raised saw no block, left the padding out, and the remembered
     size kept the down kernel at 3 per SM, T=1 +10%). The model's dimensions, a few experts."""
     E = 8
+    one, four_tokens = _inputs(gen, 1, 6, E, 5120), _inputs(gen, 4, 6, E, 5120)  # the second for sm_90 below
+    # no reference here (nothing is compared with one): the CPU part is the plans the kernel part expects, for the
+    # H200's 132 SMs (the kernel part asks the device's count)
+    assert plan_launch(1, 6, E, 5120, 1152, 132)["down_min_blocks"] == 2
+    assert plan_launch(4, 6, E, 5120, 1152, 132, down4=True)["down_min_blocks"] == 4
+    cuda = need_cuda()
     ex = ml.empty([(3, 3, 3)] * E, 5120, 1152, device=cuda)
     ex.trellis.random_(-32768, 32768, generator=None)
     for t in (ex.suh13, ex.svh13, ex.suh2, ex.svh2):
         t.fill_(0.01)
-    x, ids, w = (t.to(cuda) for t in _inputs(gen, 1, 6, E, 5120))
+    x, ids, w = (t.to(cuda) for t in one)
     assert plan_launch(1, 6, E, 5120, 1152, torch.cuda.get_device_properties(cuda).multi_processor_count)[
         "down_min_blocks"] == 2
     for gate_up4, sized in (("auto", 4), ("0", 3)):
@@ -750,7 +864,7 @@ def test_kernel_decode_residency(gen, cuda, monkeypatch):
         assert four(True, 32, 32, 0, True) == (4, 10) and four(True, 48, 48, 0, True) == (4, 8)
         assert four(True, 64, 64, 0, True) == (4, 7) and four(False, 80, 80, 0, True) == (4, 5)
         # past one token the down kernel runs at 4 per SM too (T=4: 24 items x 40 blocks)
-        x4, ids4, w4 = (t.to(cuda) for t in _inputs(gen, 4, 6, E, 5120))
+        x4, ids4, w4 = (t.to(cuda) for t in four_tokens)
         _plan(monkeypatch, "exl3_moe.gate_up4=auto")
         assert kernel_residency(x4, ids4, w4, ex) == (4, 4)
         assert launch_plan(x4, ids4, ex)["down_min_blocks"] == 4
@@ -758,7 +872,7 @@ def test_kernel_decode_residency(gen, cuda, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fit", ["1", "0"])
-def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
+def test_kernel_sized_as_on_gb10(fit, gen, monkeypatch):
     """Sized and held as on GB10 (100 KB of shared memory per SM): with the A region fitted, gate/up keeps 3 blocks
     per SM and the one-token down kernel 2 (K=3; 1 and 1 with the full region), and every path still matches the
     reference with the smaller region, where pieces build A in several chunks: one token, 4-row byte-sum items,
@@ -767,33 +881,42 @@ def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
     _plan(monkeypatch, f"exl3_moe.smem_per_sm={GB10_SMEM},exl3_moe.fit_smem={fit}")
     E = 8
     ex = ml.random_experts(E, 5120, 1152, rates=[(3, 3, 3)] * E, codebook="mul1", generator=gen)
-    exd = ex.to(cuda)
-    x, ids, w = _inputs(gen, 1, 6, E, 5120)
-    assert kernel_residency(x.to(cuda), ids.to(cuda), w.to(cuda), exd) == ((3, 2) if fit == "1" else (1, 1))
-    got, want = _check_kernel(cuda, ex, exd, x, ids, w)
-    assert rel_l2(got, want) <= TOL, "T=1"
-    x, _, w = _inputs(gen, 16, 1, E, 5120)
-    for rows in (4, 5, 16):  # one item of `rows` rows on expert 2
-        ids = torch.full((rows, 1), 2, dtype=torch.int32)
-        got, want = _check_kernel(cuda, ex, exd, x[:rows], ids, w[:rows])
-        assert rel_l2(got, want) <= TOL, f"{rows} rows"
-    ex = ml.random_experts(E, 5120, 1152, rates=[(2, 3, 8), (8, 3, 2), (3, 3, 3), (4, 5, 2)] * 2, codebook="mul1",
-                           generator=gen)
-    exd = ex.to(cuda)
+    x1, ids1, w1 = _inputs(gen, 1, 6, E, 5120)
+    x16, _, w16 = _inputs(gen, 16, 1, E, 5120)
+    items = [(rows, torch.full((rows, 1), 2, dtype=torch.int32)) for rows in (4, 5, 16)]  # one item on expert 2
+    ex_mixed = ml.random_experts(E, 5120, 1152, rates=[(2, 3, 8), (8, 3, 2), (3, 3, 3), (4, 5, 2)] * 2,
+                                 codebook="mul1", generator=gen)
+    mixed = []
     for T, top_k in ((1, 6), (4, 6), (8, 8), (64, 6)):
         x, ids, w = _inputs(gen, T, top_k, E, 5120)
         if T == 4:
             ids[0, :3] = ids[0, 3]  # duplicate ids in a row
+        mixed.append((T, x, ids, w))
+    ex_k2 = ml.random_experts(E, 5120, 1152, rates=[(2, 2, 2)] * E, codebook="mul1", generator=gen)
+    k2 = [(T, forced, _inputs(gen, T, 6, E, 5120)) for T, forced in ((1, "auto"), (4, "auto"), (1, "any"))]
+    _reference_part(ex, [(x1, ids1, w1)] + [(x16[:rows], ids, w16[:rows]) for rows, ids in items], label="K=3")
+    _reference_part(ex_mixed, [(x, ids, w) for _, x, ids, w in mixed], label="mixed rates")
+    _reference_part(ex_k2, [i for _, _, i in k2], label="K=2")
+    cuda = need_cuda()
+    exd = ex.to(cuda)
+    assert kernel_residency(x1.to(cuda), ids1.to(cuda), w1.to(cuda), exd) == ((3, 2) if fit == "1" else (1, 1))
+    got, want = _check_kernel(cuda, ex, exd, x1, ids1, w1)
+    assert rel_l2(got, want) <= TOL, "T=1"
+    for rows, ids in items:
+        got, want = _check_kernel(cuda, ex, exd, x16[:rows], ids, w16[:rows])
+        assert rel_l2(got, want) <= TOL, f"{rows} rows"
+    ex = ex_mixed
+    exd = ex.to(cuda)
+    for T, x, ids, w in mixed:
         got, want = _check_kernel(cuda, ex, exd, x, ids, w)
         assert rel_l2(got, want) <= TOL, f"T={T} mixed rates"
     # K=2, one rate: mul1's 4-per-SM gate/up kernel fits only with a 2-k-block A region (x' in several chunks per
     # piece), so the plan keeps 3 (with the full region: 1 per SM either way); taken anyway
     # (exl3_moe.gate_up4=any), the small region must match the reference too
-    ex = ml.random_experts(E, 5120, 1152, rates=[(2, 2, 2)] * E, codebook="mul1", generator=gen)
+    ex = ex_k2
     exd = ex.to(cuda)
-    for T, forced in ((1, "auto"), (4, "auto"), (1, "any")):
+    for T, forced, (x, ids, w) in k2:
         _plan(monkeypatch, f"exl3_moe.gate_up4={forced}")
-        x, ids, w = _inputs(gen, T, 6, E, 5120)
         seen = kernel_residency(x.to(cuda), ids.to(cuda), w.to(cuda), exd)
         if fit == "1":
             assert seen[0] == (4 if forced == "any" else 3) and 1 <= seen[1] <= 3, (forced, seen)
@@ -802,15 +925,17 @@ def test_kernel_sized_as_on_gb10(fit, gen, cuda, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_kernel_first_call_inside_capture(gen, cuda):
+def test_kernel_first_call_inside_capture(gen):
     """The per-stream arrival counters made inside a capture (no warm-up on that stream) hold garbage until
     something zeroes them: a graph that is never replayed must not poison the next eager call or graph."""
     E, H, inter = 16, 512, 256
     ex = ml.random_experts(E, H, inter, rates=(2, 3, 4), generator=gen)
-    exd = ex.to(cuda)
     x, ids, w = _inputs(gen, 3, 6, E, H)
-    xs, ids_s, ws = x.to(cuda), ids.to(cuda), w.to(cuda)
     want = reference_moe(x.float(), ids, w, ex).double()
+    _reference_part(ex, [(x, ids, w)])
+    cuda = need_cuda()
+    exd = ex.to(cuda)
+    xs, ids_s, ws = x.to(cuda), ids.to(cuda), w.to(cuda)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         ga, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()

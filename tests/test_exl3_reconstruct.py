@@ -1,16 +1,21 @@
-"""twinspark.ops.exl3_reconstruct: bit-exact with the reference (CPU path everywhere, the kernel on a GPU)."""
+"""twinspark.ops.exl3_reconstruct: the reference and the CPU path bit-exact with the spec decoder (tests/exl3_spec.py,
+written from the format's text), the kernel (GPU tests) bit-exact with the reference.
+
+GPU tests: the reference part (trellises drawn, the reference checked bit for bit against the spec decoder) runs
+everywhere; the kernel part skips with a reason without a CUDA GPU."""
 
 from __future__ import annotations
 
 import types
 
+import exl3_spec as spec
 import pytest
 import torch
 from twinspark import _ext
 from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import random_trellis
 from twinspark.ops import exl3_reconstruct
-from twinspark.testing import poison_allocator
+from twinspark.testing import need_cuda, poison_allocator
 
 CASES = [(cb, K) for cb in ref.CODEBOOKS for K in list(ref.WHOLE_RATES) + list(ref.HALF_RATES)
          if cb == "mul1" or K in ref.WHOLE_RATES]
@@ -22,10 +27,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("codebook", "K"), CASES)
-def test_cpu_path_is_the_reference(codebook, K, out_dtype, gen):
+def test_cpu_path_and_reference_match_spec(codebook, K, out_dtype, gen):
     trellis = random_trellis(3, 2, K, gen)
-    got = exl3_reconstruct(trellis, K, codebook, out_dtype)
-    assert _same_bits(got, ref.inner_weight(trellis, K, codebook).to(out_dtype))
+    want = spec.inner_weight_as(trellis, K, codebook, out_dtype)
+    assert want.shape == (48, 32) and want.dtype == out_dtype
+    assert _same_bits(exl3_reconstruct(trellis, K, codebook, out_dtype), want), "the CPU path differs from the spec"
+    assert _same_bits(ref.inner_weight(trellis, K, codebook).to(out_dtype), want), "the reference differs from the spec"
 
 
 def test_opcheck(gen):
@@ -61,10 +68,16 @@ def test_not_built_for_this_gpu_names_the_arch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("codebook", "K"), CASES)
-def test_kernel_bit_exact(codebook, K, out_dtype, gen, cuda):
+def test_kernel_bit_exact(codebook, K, out_dtype, gen):
+    cases = []
     for tiles_k, tiles_n in [(1, 1), (3, 5), (64, 80), (17, 33)]:  # awkward tile counts, a block tail
         trellis = random_trellis(tiles_k, tiles_n, K, gen)
         want = ref.inner_weight(trellis, K, codebook).to(out_dtype)
+        assert _same_bits(want, spec.inner_weight_as(trellis, K, codebook, out_dtype)), \
+            f"reference vs spec: {codebook} K={K} {out_dtype} {tiles_k}x{tiles_n} tiles"
+        cases.append((tiles_k, tiles_n, trellis, want))
+    cuda = need_cuda()
+    for tiles_k, tiles_n, trellis, want in cases:
         poison_allocator(cuda, want.numel() * 2)
         got = exl3_reconstruct(trellis.to(cuda), K, codebook, out_dtype)
         torch.cuda.synchronize()
@@ -72,15 +85,19 @@ def test_kernel_bit_exact(codebook, K, out_dtype, gen, cuda):
 
 
 @pytest.mark.gpu
-def test_kernel_in_cuda_graph(gen, cuda):
-    trellis = random_trellis(16, 16, 4, gen).to(cuda)
+def test_kernel_in_cuda_graph(gen):
+    first = random_trellis(16, 16, 4, gen)
+    new = random_trellis(16, 16, 4, gen)  # copied in before the replay
+    want = ref.inner_weight(new, 4, "mul1")
+    assert _same_bits(want, spec.inner_weight(new, 4, "mul1")), "reference vs spec"
+    cuda = need_cuda()
+    trellis = first.to(cuda)
     exl3_reconstruct(trellis, 4, "mul1")  # warm up outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = exl3_reconstruct(trellis, 4, "mul1")
-    new = random_trellis(16, 16, 4, gen)
     trellis.copy_(new.to(cuda))
     graph.replay()
     torch.cuda.synchronize()
-    assert _same_bits(out.cpu(), ref.inner_weight(new, 4, "mul1"))
+    assert _same_bits(out.cpu(), want)

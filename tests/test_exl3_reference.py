@@ -1,12 +1,13 @@
-"""The EXL3 reference against the spec (exl3-format.md): codebook tables by SHA-256, an independent scalar
-decoder written straight from the spec text, pack/unpack round trips for every rate, weight vs linear."""
+"""The EXL3 reference against the spec (exl3-format.md): codebook tables by SHA-256, the spec decoder of
+tests/exl3_spec.py (written straight from the spec text; its scalar and array forms checked against each other and
+against the spec's table hashes), pack/unpack round trips for every rate, weight vs linear."""
 
 from __future__ import annotations
 
 import hashlib
-import math
-import struct
 
+import exl3_spec as spec
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -31,46 +32,17 @@ def test_codebook_table_matches_spec(codebook):
     assert tuple(table[:2].tolist()) == first
 
 
-# ---- an independent scalar decoder, written from the spec text with Python integers and struct ----
-
-def _f16(bits: int) -> float:
-    return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
-
-
-def _round_f16(x: float) -> float:
-    return struct.unpack("<e", struct.pack("<e", x))[0]  # IEEE round-to-nearest-even
-
-
-def _spec_decode(s: int, codebook: str) -> float:
-    if codebook == "mul1":
-        x = (s * 0x83DCD12D) & 0xFFFFFFFF
-        b = sum((x >> sh) & 0xFF for sh in (0, 8, 16, 24))
-        return _round_f16(_f16(0x6400 + b) * _f16(0x1EEE) + _f16(0xC931))
-    x = (s * 0xCBAC1FED) if codebook == "mcg" else (s * 89226354 + 64248484)
-    x = ((x & 0xFFFFFFFF) & 0x8FFF8FFF) ^ 0x3B603B60
-    return _round_f16(_f16(x & 0xFFFF) + _f16(x >> 16))
-
-
-def _spec_tile(words16: list[int], K: float, codebook: str) -> list[list[float]]:
-    w = [(words16[2 * i] & 0xFFFF) | ((words16[2 * i + 1] & 0xFFFF) << 16) for i in range(len(words16) // 2)]
-    ring = 32 * len(w)
-    bit = lambda b: (w[b >> 5] >> (31 - (b & 31))) & 1  # noqa: E731
-    ka = int(math.floor(K))
-    tile = [[0.0] * 16 for _ in range(16)]
-    for t in range(256):
-        end = (t + 1) * K if K == ka else (t + 1) * ka + (t + 1) // 2
-        state = 0
-        for b in range(int(end) - 16, int(end)):
-            state = (state << 1) | bit(b % ring)
-        lane, j = t >> 3, t & 7
-        r = 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1)
-        c = (lane >> 2) + 8 * ((j >> 2) & 1)
-        tile[r][c] = _spec_decode(state, codebook)
-    return tile
-
-
 # half rates exist only with mul1 (spec section 1)
 VALID_PAIRS = [(cb, K) for cb in ref.CODEBOOKS for K in ALL_RATES if cb == "mul1" or K in ref.WHOLE_RATES]
+
+
+@pytest.mark.parametrize("codebook", ref.CODEBOOKS)
+def test_spec_table_matches_spec_hashes(codebook):
+    """The spec decoder's own table (scalar decode of every state) has the hash the spec publishes."""
+    sha, _, first = SPEC_TABLES[codebook]
+    bits = spec.codebook_bits(codebook)
+    assert hashlib.sha256(bits.astype("<u2").tobytes()).hexdigest() == sha
+    assert tuple(bits[:2].view(np.float16).tolist()) == first
 
 
 @pytest.mark.parametrize(("codebook", "K"), VALID_PAIRS)
@@ -78,11 +50,23 @@ def test_inner_weight_matches_scalar_spec(codebook, K, gen):
     w = ref.words_per_tile(K)
     trellis = torch.randint(-32768, 32768, (2, 2, w), dtype=torch.int16, generator=gen)
     got = ref.inner_weight(trellis, K, codebook)
+    array = spec.inner_weight(trellis, K, codebook)
     for tk in range(2):
         for tn in range(2):
-            want = torch.tensor(_spec_tile(trellis[tk, tn].tolist(), K, codebook), dtype=torch.float16)
-            assert torch.equal(got[16 * tk:16 * tk + 16, 16 * tn:16 * tn + 16].view(torch.int16),
-                               want.view(torch.int16)), f"tile ({tk}, {tn}) differs"
+            want = torch.tensor(spec.tile(trellis[tk, tn].tolist(), K, codebook), dtype=torch.float16)
+            rows, cols = slice(16 * tk, 16 * tk + 16), slice(16 * tn, 16 * tn + 16)
+            assert torch.equal(got[rows, cols].view(torch.int16), want.view(torch.int16)), f"tile ({tk}, {tn}) differs"
+            assert torch.equal(array[rows, cols].view(torch.int16), want.view(torch.int16)), \
+                f"tile ({tk}, {tn}): the array spec decoder differs from the scalar one"
+
+
+def test_spec_bf16_rounding_is_nearest_even():
+    """The spec side's bf16 rounding (tests/exl3_spec.py to_bf16) against float64 halfway cases and every fp16 value."""
+    halfway = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-10], dtype=torch.float16)
+    assert spec.to_bf16(halfway).tolist() == [1.0, 1 + 2**-6, -1.0, 1 + 2**-7]  # ties to even; above a tie: up
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    every = every[torch.isfinite(every)]
+    assert torch.equal(spec.to_bf16(every).view(torch.int16), every.to(torch.bfloat16).view(torch.int16))
 
 
 def _bits_per_position(K: float) -> torch.Tensor:

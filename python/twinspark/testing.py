@@ -16,6 +16,17 @@ def cuda_reason() -> str | None:
     return None
 
 
+def need_cuda() -> torch.device:
+    """The CUDA device for a GPU test's kernel part, called after its reference part has run; without a usable GPU
+    it skips the rest of the test with a reason that says the reference part ran."""
+    import pytest
+
+    reason = cuda_reason()
+    if reason:
+        pytest.skip(f"kernel part skipped, reference part ran: {reason}")
+    return torch.device("cuda")
+
+
 def poison_allocator(device, nbytes: int) -> None:
     """Fill the caching allocator's next free block with NaN so an op's torch.empty output starts poisoned:
     elements a kernel forgets to write stay NaN and fail the comparison."""
