@@ -1,5 +1,6 @@
-"""All-reduce kernel tests (marker gpu). The reference part of each test (inputs, expected sums, the rank-order
-reference) runs everywhere; the kernel part skips with a reason without a CUDA GPU.
+"""All-reduce kernel tests (marker gpu). The reference part of each test (inputs, the rank-order reference, checked
+against float64 sums) runs everywhere; the kernel part skips with a reason without a CUDA GPU. The timeout and
+two-process tests have no reference part: they skip before starting (the cuda fixture).
 
 On one GPU: virtual ranks (one communicator per rank in this process, each rank's call on its own stream) over the
 peer-flag ("ipc") mode and over the host-memory path (loopback and TCP backends); CUDA-graph capture and replay;
@@ -21,7 +22,7 @@ import torch
 from twinspark.allreduce import AllreduceTimeout
 from twinspark.ports import free_port
 from twinspark.reference.allreduce import allreduce as reference
-from twinspark.testing import cuda_reason
+from twinspark.testing import need_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -29,16 +30,14 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SIZES = [1, 17, 33, 8 * 1024, 4096 + 3, 100_000, 2, 65536 + 8, 5]  # elements, changing call to call
 
 
-def _need_cuda():
-    reason = cuda_reason()
-    if reason:
-        pytest.skip(reason)
-    return torch.device("cuda")
+# Significant bits of each dtype and its smallest subnormal: the reference's rounding of a float64 sum to it.
+_BITS = {torch.bfloat16: (8, 2.0**-133), torch.float16: (11, 2.0**-24), torch.float32: (24, 2.0**-149)}
 
 
 def _calls(world, gen, integer=True):
-    """[(dtype, [input per rank], expected)] with the expected sum from the rank-order reference (and, for
-    integer-valued inputs, checked exact against a float64 sum)."""
+    """[(dtype, [input per rank], expected)] with the expected sum from the rank-order reference, checked against a
+    float64 sum: exact for integer-valued inputs; else within the fp32 additions' error ((world - 1) 2^-24 sum |x|)
+    plus one rounding to the dtype (2^-p relative, or half its smallest subnormal)."""
     out = []
     for dtype in DTYPES:
         for n in SIZES:
@@ -48,8 +47,13 @@ def _calls(world, gen, integer=True):
             else:
                 xs = [torch.randn(n, generator=gen).to(dtype) for _ in range(world)]
             want = reference(xs)
+            exact = sum(x.double() for x in xs)
             if integer:
-                assert torch.equal(want.double(), sum(x.double() for x in xs))
+                assert torch.equal(want.double(), exact)
+            else:
+                p, tiny = _BITS[dtype]
+                bound = 2 * (world - 1) * 2.0**-24 * sum(x.double().abs() for x in xs) + 2.0**-p * exact.abs() + tiny
+                assert want.dtype == dtype and bool(((want.double() - exact).abs() <= bound).all()), dtype
             out.append((dtype, xs, want))
     return out
 
@@ -105,7 +109,7 @@ def _run_virtual(ts, inputs_per_call, dev):
 @pytest.mark.parametrize("integer", [True, False], ids=["int-valued", "random"])
 def test_virtual_ranks_exact_identical(kind, world, integer, gen):
     calls = _calls(world, gen, integer)
-    dev = _need_cuda()
+    dev = need_cuda()
     ts = _group(kind, world, dev)
     try:
         outs = _run_virtual(ts, [xs for _, xs, _ in calls], dev)
@@ -125,7 +129,8 @@ def test_cuda_graph_capture_and_replay(kind, gen):
     rounds = [[torch.randint(-64, 64, (n,), generator=gen).to(torch.bfloat16) for _ in range(world)]
               for _ in range(4)]
     wants = [reference(xs) for xs in rounds]
-    dev = _need_cuda()
+    assert all(torch.equal(w.double(), sum(x.double() for x in xs)) for w, xs in zip(wants, rounds))  # exact: integers
+    dev = need_cuda()
     ts = _group(kind, world, dev)
     try:
         static_in = [torch.zeros(n, dtype=torch.bfloat16, device=dev) for _ in range(world)]
@@ -152,9 +157,9 @@ def test_cuda_graph_capture_and_replay(kind, gen):
 
 
 @pytest.mark.parametrize("kind", ["ipc", "host-loopback"])
-def test_peer_that_never_launches_times_out(kind):
+def test_peer_that_never_launches_times_out(kind, cuda):
     x = torch.ones(4096, dtype=torch.bfloat16)
-    dev = _need_cuda()
+    dev = cuda
     ts = _group(kind, 2, dev, timeout_s=0.2)
     try:
         ts[0].allreduce(x.to(dev))  # rank 1 never calls: the kernel must give up, not hang
@@ -199,9 +204,9 @@ class _Mps:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mps,gpus", [(True, 1), (False, 1), (False, 2)], ids=["mps", "no-mps", "two-gpus"])
-def test_two_processes_over_ipc(mps, gpus, tmp_path):
+def test_two_processes_over_ipc(mps, gpus, tmp_path, cuda):
     """Two ranks over real CUDA IPC: both on one GPU (with and without MPS), or one GPU each when two exist."""
-    dev = _need_cuda()
+    dev = cuda
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
     devices = [f"cuda:{r}" for r in range(2)] if gpus == 2 else [f"cuda:{dev.index or 0}"] * 2

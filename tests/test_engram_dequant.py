@@ -10,7 +10,7 @@ import pytest
 import torch
 from twinspark.ops import engram_dequant
 from twinspark.reference.engram_dequant import engram_dequant as reference
-from twinspark.testing import poison_allocator
+from twinspark.testing import need_cuda, poison_allocator
 
 OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 # opcheck's test_schema compares inputs before/after with torch.allclose, which has no float8 CPU kernel; the
@@ -112,26 +112,35 @@ def test_bad_inputs(args, message, gen):
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
+# A GPU test draws its inputs first and runs its reference part everywhere (the reference on them, bit for bit against
+# the float64 decode above), then need_cuda() (skips without a GPU) and the kernel part.
+def _reference_part(rows, scales) -> torch.Tensor:
+    want = reference(rows, scales)
+    f64 = e4m3_f64(rows.view(torch.uint8).numpy()) * np.repeat(e8m0_f64(scales.numpy()), 32, axis=1)
+    assert same_bits(want, torch.from_numpy(f64).to(torch.bfloat16)), "reference vs float64 decode"
+    return want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 17, 33, 4097])
-def test_kernel_bit_exact(n, gen, request):
-    rows, scales = random_rows(n, gen, 0, 256)  # every scale code, NaN and inf results included
-    want = reference(rows, scales)
-    cuda = request.getfixturevalue("cuda")
+def test_kernel_bit_exact(n, gen):
+    calls = []
     for _ in range(3):  # fresh inputs each time
+        rows, scales = random_rows(n, gen, 0, 256)  # every scale code, NaN and inf results included
+        calls.append((rows, scales, _reference_part(rows, scales)))
+    cuda = need_cuda()
+    for rows, scales, want in calls:
         poison_allocator(cuda, n * 512)
         got = engram_dequant(rows.to(cuda), scales.to(cuda))
         torch.cuda.synchronize()
         assert same_bits(got.cpu(), want)
-        rows, scales = random_rows(n, gen, 0, 256)
-        want = reference(rows, scales)
 
 
 @pytest.mark.gpu
-def test_kernel_strided_and_out(gen, request):
+def test_kernel_strided_and_out(gen):
     rows, scales = random_rows(64, gen)
-    want = reference(rows, scales)
-    cuda = request.getfixturevalue("cuda")
+    want = _reference_part(rows, scales)
+    cuda = need_cuda()
     r, s = rows.to(cuda), scales.to(cuda)
     # rows with a padded row stride (kernel reads them in place), every other row (copied), scales strided
     padded = torch.empty(64, 272, dtype=torch.uint8, device=cuda).view(torch.float8_e4m3fn)[:, :256]
@@ -152,17 +161,21 @@ def test_kernel_strided_and_out(gen, request):
 
 
 @pytest.mark.gpu
-def test_kernel_refuses_uint8_on_gpu(gen, request):
+def test_kernel_refuses_uint8_on_gpu(gen):
     rows, scales = random_rows(4, gen)
-    cuda = request.getfixturevalue("cuda")
+    with pytest.raises(TypeError, match="expected rows_fp8 to be torch.float8_e4m3fn"):  # as the CPU path does
+        engram_dequant(rows.view(torch.uint8), scales)
+    cuda = need_cuda()
     with pytest.raises(TypeError, match="expected rows_fp8 to be torch.float8_e4m3fn"):
         engram_dequant(rows.view(torch.uint8).to(cuda), scales.to(cuda))
 
 
 @pytest.mark.gpu
-def test_kernel_in_cuda_graph(gen, request):
+def test_kernel_in_cuda_graph(gen):
     rows, scales = random_rows(100, gen)
-    cuda = request.getfixturevalue("cuda")
+    rows2, scales2 = random_rows(100, gen)  # copied in before the replay
+    want2 = _reference_part(rows2, scales2)
+    cuda = need_cuda()
     r, s = rows.to(cuda), scales.to(cuda)
     out = torch.empty(100, 256, dtype=torch.bfloat16, device=cuda)
     engram_dequant(r, s, out=out)  # warm-up outside capture
@@ -170,10 +183,9 @@ def test_kernel_in_cuda_graph(gen, request):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         engram_dequant(r, s, out=out)
-    rows2, scales2 = random_rows(100, gen)
     r.copy_(rows2.to(cuda))
     s.copy_(scales2.to(cuda))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert same_bits(out.cpu(), reference(rows2, scales2))
+    assert same_bits(out.cpu(), want2)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from test_engram_dequant import OPCHECK_UTILS, random_rows, same_bits
+from test_engram_dequant import OPCHECK_UTILS, e4m3_f64, e8m0_f64, random_rows, same_bits
 from twinspark.ops import engram_gather
 from twinspark.reference.engram_dequant import engram_dequant
 from twinspark.reference.engram_gather import engram_gather as reference
-from twinspark.testing import poison_allocator
+from twinspark.testing import need_cuda, poison_allocator
 
 
 def random_ids(n: int, first_row: int, table_rows: int, gen: torch.Generator, dtype=torch.int64) -> torch.Tensor:
@@ -72,31 +73,45 @@ def test_bad_inputs(ids, first_row, message, gen):
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
+# A GPU test draws its inputs first and runs its reference part everywhere (the reference on them, bit for bit against
+# a float64 decode of the rows the ids select, zeros for the others), then need_cuda() and the kernel part.
+def _reference_part(table, scales, ids, first=0) -> torch.Tensor:
+    want = reference(table, scales, ids, first)
+    local = ids.long() - first
+    inside = (local >= 0) & (local < table.shape[0])
+    f64 = np.zeros((ids.shape[0], 256))
+    sel = local[inside].numpy()
+    f64[inside.numpy()] = e4m3_f64(table.view(torch.uint8).numpy()[sel]) * np.repeat(e8m0_f64(scales.numpy()[sel]),
+                                                                                     32, axis=1)
+    assert same_bits(want, torch.from_numpy(f64).to(torch.bfloat16)), "reference vs float64 rows"
+    return want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize(("table_rows", "n"), [(1, 1), (37, 17), (1000, 33), (5000, 4097)])
-def test_kernel_bit_exact(table_rows, n, id_dtype, gen, request):
+def test_kernel_bit_exact(table_rows, n, id_dtype, gen):
     first = 123_457
     table, scales = random_rows(table_rows, gen, 0, 256)
-    ids = random_ids(n, first, table_rows, gen, id_dtype)
-    want = reference(table, scales, ids, first)
-    cuda = request.getfixturevalue("cuda")
-    t, s = table.to(cuda), scales.to(cuda)
+    calls = []
     for _ in range(2):
+        ids = random_ids(n, first, table_rows, gen, id_dtype)
+        calls.append((ids, _reference_part(table, scales, ids, first)))
+    cuda = need_cuda()
+    t, s = table.to(cuda), scales.to(cuda)
+    for ids, want in calls:
         poison_allocator(cuda, n * 512)
         got = engram_gather(t, s, ids.to(cuda), first_row=first)
         torch.cuda.synchronize()
         assert same_bits(got.cpu(), want)
-        ids = random_ids(n, first, table_rows, gen, id_dtype)
-        want = reference(table, scales, ids, first)
 
 
 @pytest.mark.gpu
-def test_kernel_strided_table_and_out(gen, request):
+def test_kernel_strided_table_and_out(gen):
     table, scales = random_rows(300, gen)
     ids = random_ids(100, 0, 150, gen)
-    want = reference(table[::2], scales[::2], ids)
-    cuda = request.getfixturevalue("cuda")
+    want = _reference_part(table[::2], scales[::2], ids)
+    cuda = need_cuda()
     t, s = table.to(cuda), scales.to(cuda)
     wide = torch.full((100, 260), float("nan"), dtype=torch.bfloat16, device=cuda)
     got = engram_gather(t[::2], s[::2], ids.to(cuda), out=wide[:, :256])  # row stride 512 bytes: read in place
@@ -105,20 +120,22 @@ def test_kernel_strided_table_and_out(gen, request):
 
 
 @pytest.mark.gpu
-def test_kernel_in_cuda_graph(gen, request):
+def test_kernel_in_cuda_graph(gen):
     table, scales = random_rows(500, gen)
-    cuda = request.getfixturevalue("cuda")
+    ids_cpu = random_ids(64, 100, 500, gen)
+    new_ids = random_ids(64, 100, 500, gen)  # copied in before the replay
+    want = _reference_part(table, scales, new_ids, 100)
+    cuda = need_cuda()
     t, s = table.to(cuda), scales.to(cuda)
-    ids = random_ids(64, 100, 500, gen).to(cuda)
+    ids = ids_cpu.to(cuda)
     out = torch.empty(64, 256, dtype=torch.bfloat16, device=cuda)
     engram_gather(t, s, ids, first_row=100, out=out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         engram_gather(t, s, ids, first_row=100, out=out)
-    new_ids = random_ids(64, 100, 500, gen)
     ids.copy_(new_ids.to(cuda))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert same_bits(out.cpu(), reference(table, scales, new_ids, 100))
+    assert same_bits(out.cpu(), want)

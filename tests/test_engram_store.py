@@ -23,6 +23,7 @@ from twinspark.engram import (
 )
 from twinspark.engram.source import RECORD_BYTES
 from twinspark.reference.engram_dequant import engram_dequant
+from twinspark.testing import need_cuda
 
 ONE_SET_GIB = 8 * (264 + 12) / 2**30  # one 8-way cache set
 
@@ -392,9 +393,9 @@ def _gpu_case(ckpt, gen, n=500):
 
 
 @pytest.mark.gpu
-def test_staging_lookup_matches_files(ckpt, gen, request):
+def test_staging_lookup_matches_files(ckpt, gen):
     path, ids, ew, es, want = _gpu_case(ckpt, gen)
-    cuda = request.getfixturevalue("cuda")
+    cuda = need_cuda()
     store = EngramStore.from_pack(path, threads=4, cache_gib=0.001)
     staging = store.staging(1024)
     assert store.pinned_bytes == staging_pinned_bytes(1024)
@@ -408,10 +409,10 @@ def test_staging_lookup_matches_files(ckpt, gen, request):
 
 
 @pytest.mark.gpu
-def test_graph_capture_and_replay(ckpt, gen, request):
+def test_graph_capture_and_replay(ckpt, gen):
     path, ids, _, _, want = _gpu_case(ckpt, gen, 384)
     _, ids2, _, _, want2 = _gpu_case(ckpt, gen, 384)
-    cuda = request.getfixturevalue("cuda")
+    cuda = need_cuda()
     store = EngramStore.from_pack(path, threads=4)
     staging = store.staging(384)
     ids_dev = ids.to(cuda)
@@ -431,9 +432,9 @@ def test_graph_capture_and_replay(ckpt, gen, request):
 
 
 @pytest.mark.gpu
-def test_two_streams_at_once(ckpt, gen, request):
+def test_two_streams_at_once(ckpt, gen):
     cases = [_gpu_case(ckpt, gen, 300) for _ in range(2)]
-    cuda = request.getfixturevalue("cuda")
+    cuda = need_cuda()
     store = EngramStore.from_pack(cases[0][0], threads=4, cache_gib=32 * ONE_SET_GIB)
     streams = [torch.cuda.Stream(cuda) for _ in cases]
     stagings = [store.staging(300) for _ in cases]
