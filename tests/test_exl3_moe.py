@@ -568,16 +568,19 @@ def test_kernel_rate_kernels(rates, codebook, gen, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prep", ["0", "1"])
-def test_kernel_prefill_prep(prep, gen, cuda, monkeypatch):
+def test_kernel_prefill_prep(prep, gen, monkeypatch):
     """64-row items (prefill) with A made once per pair by prep_a_kernel (1) or built in every block (0): mixed rates,
     one rank's half of the experts (the prep launches skip the other half's pairs), items of 64 rows and a partial
     last one, bf16 and fp16, at hidden 1024 and the model's intermediate size."""
     _plan(monkeypatch, f"exl3_moe.prefill_prep={prep},exl3_moe.prefill_rows=4")
     ex = ml.random_experts(12, 1024, 1152, rates=[(2, 3, 4), (3, 3, 2), (4, 2, 3)], codebook="mul1", first_expert=12,
                            generator=gen)
+    calls = [(T, top_k, _inputs(gen, T, top_k, 24, 1024, dtype=dtype))
+             for T, top_k, dtype in ((100, 6, torch.bfloat16), (300, 8, torch.float16))]
+    _reference_part(ex, [c[2] for c in calls])
+    cuda = need_cuda()
     exd = ex.to(cuda)
-    for T, top_k, dtype in ((100, 6, torch.bfloat16), (300, 8, torch.float16)):
-        x, ids, w = _inputs(gen, T, top_k, 24, 1024, dtype=dtype)
+    for T, top_k, (x, ids, w) in calls:
         cfg = launch_plan(x.to(cuda), ids.to(cuda), exd)
         assert cfg["mt"] == 4 and cfg["prep_a"] == (prep == "1"), cfg
         got, want = _check_kernel(cuda, ex, exd, x, ids, w)
