@@ -35,8 +35,8 @@ sys.path.insert(0, str(HERE.parent / "python"))
 sys.path.insert(0, str(HERE))
 import benchkit as bk  # noqa: E402
 from bench_decode_step import plan_step  # noqa: E402
+from bench_exl3_gemm import _layers  # noqa: E402
 from bench_exl3_moe import make_experts, routing  # noqa: E402
-from twinspark.exl3.layer import Exl3Layer, random_layer  # noqa: E402
 from twinspark.ops import exl3_gemm, exl3_moe, plans, sms  # noqa: E402
 from twinspark.ops.exl3_moe import launch_plan  # noqa: E402
 from twinspark.v41_layout import V41Spec  # noqa: E402
@@ -129,10 +129,7 @@ def moe_bound(where: str, stream, n_sms, iters: int, dev, gen) -> list[bk.Record
 def gemm_cases(where: str, stream, n_sms, ms, iters: int, dev, gen) -> list[bk.Record]:
     out = []
     for name, k, n, K in gemm_shapes():
-        base = random_layer(k, n, float(K), "mul1", generator=torch.Generator().manual_seed(k + n)).to(dev)
-        shape3 = tuple(base.trellis.shape)
-        ring = bk.rotate(lambda s=shape3: (torch.randint(-32768, 32768, s, dtype=torch.int16, device=dev),))
-        layers = [Exl3Layer(t, base.suh, base.svh, float(K), "mul1") for (t,) in ring]
+        layers, _ = _layers(k, n, K, dev, torch.Generator().manual_seed(k + n))
         wring = bk.rotate(lambda k=k, n=n: (torch.randn(k, n, device=dev, dtype=torch.bfloat16),))
         for m in ms:
             x = torch.randn(m, k, device=dev, generator=gen).bfloat16()
@@ -149,17 +146,14 @@ def gemm_cases(where: str, stream, n_sms, ms, iters: int, dev, gen) -> list[bk.R
                                          timing=t, dense_us=dense.median_us, variant=f"{label} {where}", notes=name))
                     line += f"  {label} {t.median_us:8.1f} us (x{t.median_us / dense.median_us:.2f})"
             print(line, flush=True)
-        del layers, ring, wring
+        del layers, wring
         torch.cuda.empty_cache()
     return out
 
 
 def gemm_time(k: int, n: int, K: float, m: int, iters: int, dev, gen) -> float:
     """µs of one exl3_gemm call at the plan's choice, L2-cold (on the current stream and SM limit)."""
-    base = random_layer(k, n, float(K), "mul1", generator=torch.Generator().manual_seed(k + n)).to(dev)
-    ring = bk.rotate(lambda s=tuple(base.trellis.shape): (torch.randint(-32768, 32768, s, dtype=torch.int16,
-                                                                         device=dev),))
-    layers = [Exl3Layer(t, base.suh, base.svh, float(K), "mul1") for (t,) in ring]
+    layers, _ = _layers(k, n, K, dev, torch.Generator().manual_seed(k + n))
     x = torch.randn(m, k, device=dev, generator=gen).bfloat16()
     y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
     return bk.time_cuda(lambda L: exl3_gemm(x, L, out=y), args=[(L,) for L in layers], warmup=3, iters=iters).median_us
