@@ -8,7 +8,11 @@ parallel 2, timed on a green context of 48 SMs (GB10's count; `--sms`) and on th
   scaled to every expert), which any prefill call that decodes each weight once at that rate cannot beat.
 - exl3_gemm at the attention and shared-expert shapes (shared/docs/deepseek-v41.md: wq_a, wkv, wq_b, wo_a per group,
   wo_b, shared w1/w3 and w2 at their per-rank sizes, K from twinspark.v41_layout) for m = 512 ... 8192 against
-  torch.mm in bf16 on the same SMs; the plan's own choice and the `large` path (the one GB10 takes: no wgmma there).
+  torch.mm in bf16 on the same SMs; variants side by side (`--gemm-variants`): the plan's own choice, the `large` path,
+  the fused mma.sync kernel at 64 / 128 / 256 tokens per block (`mma64` ...: GB10's prefill kernel, no wgmma there),
+  the 64-token `small` slices, the wgmma `fused` kernel. After them the GB10 model's estimate of each case
+  (twinspark.gb10: the compute-bound kernels from their proxy times, the large path from its bytes) and the table's
+  GB10 choice; `--from-json PATH` prints the summary and those estimates from a results file, no GPU needed.
 - layer: one V4.1 layer's twinspark work per rank at T = 2048 and 8192 on the proxy, averaged over the 40 layers
   (every EXL3 matrix of bench_decode_step.plan_step at m = T, plus the routed experts), as µs per layer and tokens
   per second of these kernels alone (no attention core, no all-reduce).
@@ -18,6 +22,7 @@ call runs on the green context's stream. CUDA events, warm-up, median (benchkit.
 expert weights (1.3-2.5 GB) are read from DRAM on every call, the GEMM weights rotate L2-cold. Writes prefill.json.
 
     python bench/bench_prefill.py [--sms 48] [--no-full] [--only moe|gemm|layer] [--ks 2,3] [--ts ...] [--ms ...]
+                                  [--gemm-variants plan,large,mma128,mma256] [--from-json PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from bench_decode_step import plan_step  # noqa: E402
 from bench_exl3_gemm import _layers  # noqa: E402
 from bench_exl3_moe import make_experts, routing  # noqa: E402
 from twinspark.ops import exl3_gemm, exl3_moe, plans, sms  # noqa: E402
+from twinspark.ops.exl3_gemm import plan as exl3_gemm_plan  # noqa: E402
 from twinspark.ops.exl3_moe import launch_plan  # noqa: E402
 from twinspark.v41_layout import V41Spec  # noqa: E402
 
@@ -126,7 +132,14 @@ def moe_bound(where: str, stream, n_sms, iters: int, dev, gen) -> list[bk.Record
 
 
 # ------------------------------------------------------------------------------------------------------ gemm
-def gemm_cases(where: str, stream, n_sms, ms, iters: int, dev, gen) -> list[bk.Record]:
+# exl3_gemm variants timed side by side: (label, plan override).
+GEMM_VARIANTS = {"plan": "exl3_gemm.variant=auto", "large": "exl3_gemm.variant=large", "small": "exl3_gemm.variant=small",
+                 "mma64": "exl3_gemm.variant=fused_mma,exl3_gemm.mma_tokens=64",
+                 "mma128": "exl3_gemm.variant=fused_mma,exl3_gemm.mma_tokens=128",
+                 "mma256": "exl3_gemm.variant=fused_mma,exl3_gemm.mma_tokens=256", "fused": "exl3_gemm.variant=fused"}
+
+
+def gemm_cases(where: str, stream, n_sms, ms, iters: int, dev, gen, variants: list[str]) -> list[bk.Record]:
     out = []
     for name, k, n, K in gemm_shapes():
         layers, _ = _layers(k, n, K, dev, torch.Generator().manual_seed(k + n))
@@ -137,11 +150,10 @@ def gemm_cases(where: str, stream, n_sms, ms, iters: int, dev, gen) -> list[bk.R
             with on(stream, n_sms):
                 dense = bk.time_cuda(lambda w, x=x, y=y: torch.mm(x, w, out=y), args=wring, warmup=3, iters=iters)
                 line = f"[{where}] exl3_gemm {name:12s} {k:5d}x{n:5d} K={K} m={m:5d}: bf16 {dense.median_us:8.1f} us"
-                for variant in (None, "large"):
-                    with plans.override(f"exl3_gemm.variant={variant or 'auto'}"):
+                for label in variants:
+                    with plans.override(GEMM_VARIANTS[label]):
                         t = bk.time_cuda(lambda L, x=x, y=y: exl3_gemm(x, L, out=y), args=[(L,) for L in layers], warmup=3,
                                          iters=iters)
-                    label = variant or "plan"
                     out.append(bk.Record(op="exl3_gemm", shape={"k": k, "n": n, "K": K, "m": m, "sms": n_sms or 0},
                                          timing=t, dense_us=dense.median_us, variant=f"{label} {where}", notes=name))
                     line += f"  {label} {t.median_us:8.1f} us (x{t.median_us / dense.median_us:.2f})"
@@ -190,13 +202,45 @@ def layer_cases(stream, n_sms, ts, iters: int, dev, gen, moe: dict) -> list[bk.R
 def summary(records: list[bk.Record]) -> None:
     print("\nSummary (ratios to bf16 dense on the same SMs; geomean over shapes):")
     for where in sorted({r.variant.split()[-1] for r in records if r.op == "exl3_gemm"}):
-        for label in ("plan", "large"):
+        for label in GEMM_VARIANTS:
             for m in sorted({r.shape["m"] for r in records if r.op == "exl3_gemm"}):
                 rs = [r.median_us / r.dense_us for r in records
                       if r.op == "exl3_gemm" and r.variant == f"{label} {where}" and r.shape["m"] == m]
                 if rs:
                     g = math.exp(sum(map(math.log, rs)) / len(rs))
-                    print(f"  [{where}] {label:5s} m={m:5d}: geomean x{g:.2f}, worst x{max(rs):.2f}")
+                    print(f"  [{where}] {label:6s} m={m:5d}: geomean x{g:.2f}, worst x{max(rs):.2f}")
+
+
+def gb10_estimates(records: list[bk.Record]) -> None:
+    """Each exl3_gemm proxy case on GB10 by twinspark.gb10's model: the compute-bound kernels (fused_mma: the best of
+    its token tiles; small) from their proxy times, the bytes they move and their MMA FLOPs (kernel_us); the large
+    path from its bytes and FLOPs alone (large_gemm_us: the bf16 weight written and read back at GB10's bandwidth,
+    which the proxy's HBM hides). Predictions, not GB10 measurements."""
+    from twinspark import gb10
+
+    cases = {}
+    for r in records:
+        if r.op == "exl3_gemm" and r.variant.endswith(" proxy"):
+            key = (r.notes, r.shape["k"], r.shape["n"], r.shape["K"], r.shape["m"])
+            cases.setdefault(key, {})[r.variant.split()[0]] = r.median_us
+    if not cases:
+        return
+    print("\nGB10 model (twinspark.gb10; predicted µs: fused_mma / small / large, and the table's choice):")
+    for (name, k, n, K, m), got in sorted(cases.items(), key=lambda c: (c[0][4], c[0][0])):
+        trellis = k * n * K / 8
+        flops = 2.0 * m * k * n
+        acts = 6.0 * m * k + 6.0 * m * n  # x, x' written and read, y' written and read, out
+        est = {}
+        mma = [got[v] for v in ("mma64", "mma128", "mma256") if v in got]
+        if mma:
+            est["fused_mma"] = gb10.kernel_us(trellis * math.ceil(m / 128) + acts, min(mma), flops)["us"]
+        if "small" in got:
+            est["small"] = gb10.kernel_us(trellis * math.ceil(m / 64) + acts, got["small"], flops)["us"]
+        est["large"] = gb10.large_gemm_us(k, n, m, trellis, 2.0 * m * k, 2.0 * m * n)["us"]
+        with plans.override("", base=plans.DEFAULT):
+            choice = exl3_gemm_plan(m, k, n, K, 48, None, False).variant
+        print(f"  {name:12s} {k:5d}x{n:5d} m={m:5d}: " + "  ".join(f"{v} {us:8.1f}" for v, us in est.items())
+              + f"  -> table: {choice}")
 
 
 def main(argv=None) -> int:
@@ -211,7 +255,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=5, help="timed samples per case (median reported)")
     ap.add_argument("--no-bound", action="store_true", help="skip the MoE decode-rate bound")
     ap.add_argument("--variants", default="before,after,rows4", help=f"MoE variants, of {', '.join(MOE_VARIANTS)}")
+    ap.add_argument("--gemm-variants", default="plan,large,mma128,mma256",
+                    help=f"exl3_gemm variants, of {', '.join(GEMM_VARIANTS)}")
+    ap.add_argument("--from-json", metavar="PATH", help="print the summary and GB10 estimates of a results file, run "
+                    "nothing (no GPU needed)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        records = bk.load_results(a.from_json)["records"]
+        summary(records)
+        gb10_estimates(records)
+        return 0
     if not torch.cuda.is_available():
         print("bench_prefill: no CUDA GPU is visible; run it on a GPU machine", file=sys.stderr)
         return 2
@@ -231,13 +284,14 @@ def main(argv=None) -> int:
             if not a.no_bound:
                 records += moe_bound(where, stream, n, a.iters, dev, gen)
         if a.only in (None, "gemm"):
-            records += gemm_cases(where, stream, n, a.ms, a.iters, dev, gen)
+            records += gemm_cases(where, stream, n, a.ms, a.iters, dev, gen, a.gemm_variants.split(","))
         if a.only in (None, "layer") and where == "proxy":
             moe = {(r.shape["K"], r.shape["T"]): r.median_us for r in records
                    if r.op == "exl3_moe" and r.variant == "after proxy"}
             records += layer_cases(stream, n, [T for T in LAYER_TS if all((K, T) in moe for K in (2, 3))], a.iters,
                                    dev, gen, moe)
     summary(records)
+    gb10_estimates(records)
     print(f"wrote {bk.write_results('prefill', records, ceilings={'proxy_sms': a.sms})}")
     return 0
 

@@ -67,25 +67,26 @@ def test_opcheck(gen):
 @pytest.mark.parametrize("fused", [False, True])
 def test_plan_table_is_consistent(fused):
     """Every split covers >= 1 chunk, all chunks are covered, token groups hold the slice; prefill goes to the
-    fused kernel where it runs (sm_90) up to fused_max_m and to the large path above; elsewhere (GB10) large
-    layers keep the small kernel up to no_wgmma_small_max_m, the rest goes to the large path."""
+    fused kernel where it runs (sm_90) up to fused_max_m and to the large path above; elsewhere (GB10) to the fused
+    mma.sync kernel up to no_wgmma_mma_max_m, the large path above."""
     for m in (1, 7, 8, 9, 16, 33, 63, 64, 65, 128, 129, 256, 257, 4096):
         for k, n in ANCHOR_SHAPES + AWKWARD_SHAPES:
             p = plan(m, k, n, 3, sms=132, fused=fused)
-            no_wgmma_small = not fused and m <= TABLE.no_wgmma_small_max_m and k * n >= TABLE.no_wgmma_small_min_weights
-            if m > TABLE.large_m and not no_wgmma_small:
-                assert p.variant == ("fused" if fused and m <= TABLE.fused_max_m else "large")
-                assert fused or (p.block, p.splits) == (0, 0)
+            if m > TABLE.large_m:
+                if fused:
+                    assert p.variant == ("fused" if m <= TABLE.fused_max_m else "large")
+                else:
+                    assert p.variant == ("fused_mma" if m <= TABLE.no_wgmma_mma_max_m else "large")
+                if p.variant == "large":
+                    assert (p.block, p.splits) == (0, 0)
+                elif not p.stream_k:  # stream-K: splits is its block count
+                    assert (p.splits - 1) * p.chunks_per_split < k // 64 <= p.splits * p.chunks_per_split
                 continue
             chunks = k // 128
             assert p.variant == "small" and p.groups in (1, 2, 4, 8)
             assert p.m_slice == min(m, M_SLICE) and p.m_slice <= 8 * p.groups < 2 * max(p.m_slice, 8)
             assert (p.splits - 1) * p.chunks_per_split < chunks <= p.splits * p.chunks_per_split
             assert p.prep == (p.groups >= TABLE.prep_groups and n // 128 * k >= TABLE.prep_work)
-    if not fused:  # GB10 on paper: 5120x12288 at m=256 in four small slices, the 5.9M-weight layers on large
-        assert plan(256, 5120, 12288, 2, sms=48, fused=False).variant == "small"
-        assert plan(256, 1152, 5120, 2, sms=48, fused=False).variant == "large"
-        assert plan(512, 5120, 12288, 2, sms=48, fused=False).variant == "large"
 
 
 @pytest.mark.parametrize(("make", "message"), [
@@ -239,10 +240,10 @@ def test_kernel_parity_other_rates(K, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["small", "fused", "large"])
+@pytest.mark.parametrize("variant", ["small", "fused", "fused_mma", "large"])
 def test_every_variant_at_every_m(variant, gen, monkeypatch):
     """The table sends m > large_m to 'fused' (sm_90) or 'large'; force each variant at the others' m (small
-    slices 64 tokens; fused takes 128- and 256-token blocks, partial ones included)."""
+    slices 64 tokens; fused takes 128- and 256-token blocks, fused_mma 128-token blocks, partial ones included)."""
     _plan(monkeypatch, f"exl3_gemm.variant={variant}")
     cases = [_draw_case(random_layer(1024, 768, K, codebook, bias=True, generator=gen), torch.float16,
                         (1, 17, 65, 300), gen, f"{variant} {codebook} K={K}")
@@ -267,6 +268,25 @@ def test_fused_block_shapes_and_split_k(block, gen, monkeypatch):
     cuda = need_cuda()
     if not fused_available(cuda):
         pytest.skip("the fused kernel needs an sm_90 GPU and a build with sm_90a (reference part ran)")
+    for case in cases:
+        _check_case(case, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", ["64", "128", "256"])
+def test_fused_mma_token_tiles_and_split_k(tokens, gen, monkeypatch):
+    """The mma.sync prefill kernel at both token tiles, every rate, split k (fp32 partials) and one split (a
+    4-chunk k: y' in fp16), partial token tiles, fp16 and bf16."""
+    _plan(monkeypatch, f"exl3_gemm.variant=fused_mma,exl3_gemm.mma_tokens={tokens}")
+    cases = []
+    for i, (K, codebook) in enumerate(((1, "3inst"), (2, "mul1"), (3, "mcg"), (4, "mul1"), (5, "3inst"), (6, "mcg"),
+                                       (7, "mul1"), (8, "3inst"))):
+        k = 256 if i % 2 else 1152
+        dtype = torch.bfloat16 if i % 3 else torch.float16
+        cases.append(_draw_case(random_layer(k, 768, K, codebook, bias=i % 2 == 0, generator=gen), dtype,
+                                (65, 129, 300, 513), gen, f"tokens={tokens} {codebook} K={K} k={k}"))
+    _reference_part(cases)
+    cuda = need_cuda()
     for case in cases:
         _check_case(case, cuda)
 

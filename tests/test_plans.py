@@ -65,7 +65,7 @@ def test_parse_good_keys():
     ("exl3_moe.gate_up4=1", r"exl3_moe.gate_up4 takes auto, 0 or any"),
     ("exl3_moe.smem_per_sm=4096", r"takes 0 or a byte count from 102400 to 233472 \(default 0\)"),
     ("exl3_moe.smem_per_sm=100KB", r"exl3_moe.smem_per_sm='100KB' is not accepted"),
-    ("exl3_gemm.variant=tiny", r"exl3_gemm.variant takes auto, small, fused or large"),
+    ("exl3_gemm.variant=tiny", r"exl3_gemm.variant takes auto, small, fused, fused_mma or large"),
     ("exl3_gemm.block=1", r"exl3_gemm.block takes auto, 0 or 2"),
     ("exl3_gemm.sk_blocks=-1", r"exl3_gemm.sk_blocks='-1' is not accepted"),
     ("exl3_gemm.large_m=0", r"exl3_gemm.large_m takes a token count >= 1 \(default 64\)"),
@@ -143,6 +143,7 @@ def test_default_tables_hold_what_the_ops_used():
     g, m = plans.DEFAULT.exl3_gemm, plans.DEFAULT.exl3_moe
     assert (g.variant, g.prep, g.block, g.sk_blocks) == (None, None, None, None)
     assert (g.large_m, g.fused_max_m, g.no_wgmma_small_max_m, g.no_wgmma_small_min_weights) == (64, 512, 256, 1 << 24)
+    assert (g.fused_min_sms, g.no_wgmma_mma_max_m, g.mma_tokens) == (64, 256, None)
     assert dict(g.blocks_per_sm) == {1: 6.0, 2: 3.0, 4: 3.0, 8: 2.0}
     assert (g.prep_groups, g.prep_work) == (4, 98304)
     assert dict(g.fused_efficiency) == {0: 1.0, 2: 1.08}
@@ -187,8 +188,10 @@ def _new(spec: str, switches: dict):
 
 
 def _new_gemm(spec: str, switches: dict):
-    # fused_min_sms (issue 43) came after BEFORE: at 1 every SM count may take the fused kernel, as then
-    return plans.override(",".join(filter(None, ("exl3_gemm.fused_min_sms=1", spec))), base=plans.DEFAULT)
+    # fused_min_sms and no_wgmma_mma_max_m (issue 43) came after BEFORE: at 1 every SM count may take the fused
+    # kernel, at 0 no m takes fused_mma, as then
+    return plans.override(",".join(filter(None, ("exl3_gemm.fused_min_sms=1,exl3_gemm.no_wgmma_mma_max_m=0", spec))),
+                          base=plans.DEFAULT)
 
 
 def _gemm_records(plan, forced=None) -> list:
@@ -291,6 +294,23 @@ def test_plans_match_the_old_code_case_by_case(monkeypatch):
         for a, b in zip(old, new):
             assert a == b, f"{name} plan differs: {a} before, {b} now"
         assert _digest(old) == digest, f"{name}: {_digest(old)}"
+
+
+def test_gemm_without_wgmma_takes_fused_mma_up_to_its_limit():
+    """Without wgmma (GB10) prefill up to no_wgmma_mma_max_m goes to the fused mma.sync kernel, every layer size;
+    above it the large path; 0 gives back the small-slice rule; sm_90 plans never pick it."""
+    with plans.override("", base=plans.DEFAULT):
+        for k, n in ((5120, 12288), (1152, 5120), (5120, 512)):
+            assert gemm_plan(64, k, n, 3, 48, None, False).variant == "small"
+            for m in (65, 256):
+                p = gemm_plan(m, k, n, 3, 48, None, False)
+                assert p.variant == "fused_mma" and p.block in (64, 128, 256)
+                assert (p.splits - 1) * p.chunks_per_split < k // 64 <= p.splits * p.chunks_per_split
+                assert gemm_plan(m, k, n, 3, 132, None, True).variant != "fused_mma"
+            assert gemm_plan(257, k, n, 3, 48, None, False).variant == "large"
+    with plans.override("exl3_gemm.no_wgmma_mma_max_m=0", base=plans.DEFAULT):
+        assert gemm_plan(256, 5120, 12288, 3, 48, None, False).variant == "small"
+        assert gemm_plan(256, 1152, 5120, 3, 48, None, False).variant == "large"
 
 
 def test_fused_gemm_only_where_the_plan_has_enough_sms():

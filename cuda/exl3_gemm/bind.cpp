@@ -120,6 +120,33 @@ void bind_exl3_gemm(py::module_& m) {
       py::arg("n"), py::arg("K"), py::arg("codebook"), py::arg("block"), py::arg("chunks_per_split"), py::arg("splits"),
       py::arg("stream"));
   m.def(
+      "exl3_gemm_prep_x",
+      [](std::uintptr_t x, long x_stride, bool bf16, std::uintptr_t suh, int m, int k, std::uintptr_t xh,
+         std::uintptr_t stream) {
+        twinspark::check_launch(
+            twinspark::exl3_gemm_prep_x(twinspark::ptr<const void>(x), x_stride, bf16, twinspark::ptr<const void>(suh),
+                                        m, k, twinspark::ptr<void>(xh), twinspark::stream(stream)),
+            "exl3_gemm (prep_x)");
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("bf16"), py::arg("suh"), py::arg("m"), py::arg("k"), py::arg("xh"),
+      py::arg("stream"));
+  m.def(
+      "exl3_gemm_fused_mma",
+      [](std::uintptr_t xh, std::uintptr_t trellis, std::uintptr_t y, int m, int k, int n, int K, int codebook,
+         int tokens, int chunks_per_split, int splits, std::uintptr_t stream) {
+        twinspark::Exl3GemmFusedArgs a{};
+        a.xb = twinspark::ptr<const void>(xh);
+        a.trellis = twinspark::ptr<const int16_t>(trellis);
+        a.y = twinspark::ptr<void>(y);
+        a.m = m, a.k = k, a.n = n;
+        a.chunks_per_split = chunks_per_split;
+        a.splits = splits;
+        twinspark::check_launch(twinspark::exl3_gemm_fused_mma(a, K, codebook, tokens, twinspark::stream(stream)),
+                                "exl3_gemm (fused_mma)");
+      },
+      py::arg("xh"), py::arg("trellis"), py::arg("y"), py::arg("m"), py::arg("k"), py::arg("n"), py::arg("K"),
+      py::arg("codebook"), py::arg("tokens"), py::arg("chunks_per_split"), py::arg("splits"), py::arg("stream"));
+  m.def(
       "exl3_gemm_epilogue",
       [](std::uintptr_t y, int splits, std::uintptr_t svh, std::uintptr_t bias, int m, int n, std::uintptr_t out,
          long out_stride, bool bf16, std::uintptr_t stream) {

@@ -233,6 +233,33 @@ cudaError_t exl3_gemm_fused(const Exl3GemmFusedArgs& a, int K, int codebook, int
   }
 }
 
+cudaError_t exl3_gemm_fused_mma(const Exl3GemmFusedArgs& a, int K, int codebook, int tokens, cudaStream_t stream) {
+  if (a.m < 1 || a.k % 128 || a.n % 128 || (tokens != 64 && tokens != 128 && tokens != 256) || a.splits < 1 ||
+      a.chunks_per_split < 1 || (a.splits - 1) * a.chunks_per_split >= a.k / 64 || a.m > 65535 * 64) {
+    return cudaErrorInvalidValue;
+  }
+  switch (K) {
+    case 1:
+      return exl3_gemm_fused_mma_k1(a, codebook, tokens, stream);
+    case 2:
+      return exl3_gemm_fused_mma_k2(a, codebook, tokens, stream);
+    case 3:
+      return exl3_gemm_fused_mma_k3(a, codebook, tokens, stream);
+    case 4:
+      return exl3_gemm_fused_mma_k4(a, codebook, tokens, stream);
+    case 5:
+      return exl3_gemm_fused_mma_k5(a, codebook, tokens, stream);
+    case 6:
+      return exl3_gemm_fused_mma_k6(a, codebook, tokens, stream);
+    case 7:
+      return exl3_gemm_fused_mma_k7(a, codebook, tokens, stream);
+    case 8:
+      return exl3_gemm_fused_mma_k8(a, codebook, tokens, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
 cudaError_t exl3_gemm_epilogue(const void* y, int splits, const void* svh, const void* bias, int m, int n, void* out,
                                long out_stride, bool bf16, cudaStream_t stream) {
   if (m < 1 || n % 128 || out_stride % 4 || splits < 0) return cudaErrorInvalidValue;

@@ -70,6 +70,11 @@ struct Exl3GemmFusedArgs {
   int splits;
 };
 cudaError_t exl3_gemm_fused(const Exl3GemmFusedArgs& a, int K, int codebook, int block, cudaStream_t stream);
+// Fused prefill through mma.sync (any arch, fused_mma.cuh): the same y' = x' · W_hat with xb = x' ROW-MAJOR fp16
+// [m, k] (exl3_gemm_prep_x), 128 columns x `tokens` (64, 128 or 256) tokens per block, k split in `splits` parts of
+// chunks_per_split 64-row chunks; y fp16 [m, n] when splits == 1, else fp32 partials [splits, m, n] (part, flags
+// unused). Finish with exl3_gemm_epilogue.
+cudaError_t exl3_gemm_fused_mma(const Exl3GemmFusedArgs& a, int K, int codebook, int tokens, cudaStream_t stream);
 // xb = fp16(Hk(x ⊙ suh)) as [k/64][ceil(m/8)*8 rows][64], 128-byte swizzled (rows m.. of the last group zero).
 cudaError_t exl3_gemm_prep_x_blocked(const void* x, long x_stride, bool bf16, const void* suh, int m, int k, void* xb,
                                      cudaStream_t stream);
@@ -91,13 +96,13 @@ cudaError_t exl3_gemm_epilogue(const void* y, int splits, const void* svh, const
 cudaError_t exl3_gemm_capture_id(cudaStream_t stream, unsigned long long* id);
 
 // One launcher per whole rate, each in its own translation unit (exl3_gemm_k<K>.cu).
-#define TWINSPARK_EXL3_GEMM_DECLARE(K)                                                                         \
-  cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream); \
-  cudaError_t exl3_gemm_grouped_k##K(const Exl3GemmGroupedArgs& g, int codebook, int groups,                   \
-                                     cudaStream_t stream);                                                     \
-  cudaError_t exl3_gemm_dequant_w_k##K(const int16_t* trellis, const void* suh, const void* svh, int tiles_k,  \
-                                       int tiles_n, int codebook, bool bf16, void* w, cudaStream_t stream);    \
-  cudaError_t exl3_gemm_fused_k##K(const Exl3GemmFusedArgs& a, int codebook, int block, cudaStream_t stream);
+#define TWINSPARK_EXL3_GEMM_DECLARE(K)                                                                             \
+  cudaError_t exl3_gemm_small_k##K(const Exl3GemmSmallArgs& a, int codebook, int groups, cudaStream_t stream);     \
+  cudaError_t exl3_gemm_grouped_k##K(const Exl3GemmGroupedArgs& g, int codebook, int groups, cudaStream_t stream); \
+  cudaError_t exl3_gemm_dequant_w_k##K(const int16_t* trellis, const void* suh, const void* svh, int tiles_k,      \
+                                       int tiles_n, int codebook, bool bf16, void* w, cudaStream_t stream);        \
+  cudaError_t exl3_gemm_fused_k##K(const Exl3GemmFusedArgs& a, int codebook, int block, cudaStream_t stream);      \
+  cudaError_t exl3_gemm_fused_mma_k##K(const Exl3GemmFusedArgs& a, int codebook, int tokens, cudaStream_t stream);
 TWINSPARK_EXL3_GEMM_DECLARE(1)
 TWINSPARK_EXL3_GEMM_DECLARE(2)
 TWINSPARK_EXL3_GEMM_DECLARE(3)

@@ -1,7 +1,10 @@
-// EXL3 GEMM kernels for K = 7 bits, all codebooks: small-m (1/2/4/8 token groups) and fused large-m (sm_90a).
+// EXL3 GEMM kernels for K = 7 bits, all codebooks: small-m (1/2/4/8 token groups), fused large-m (sm_90a) and
+// fused mma.sync prefill (every arch).
 // One translation unit per rate so the rates compile in parallel.
+#include "exl3_gemm/fused_mma.cuh"
 #include "exl3_gemm/fused_sm90.cuh"
 #include "exl3_gemm/small_m.cuh"
 
 TWINSPARK_EXL3_GEMM_DEFINE(7)
 TWINSPARK_EXL3_GEMM_FUSED_DEFINE(7)
+TWINSPARK_EXL3_GEMM_FUSED_MMA_DEFINE(7)

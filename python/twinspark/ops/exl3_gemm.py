@@ -9,8 +9,11 @@ Kernel variants (the one table is `plan`, its thresholds and forcing keys the da
 - ``fused`` (large_m < m <= fused_max_m on sm_90): x' = H(x ⊙ suh) in fp16 (the swizzled layout wgmma reads),
   then one kernel decodes the trellis straight into wgmma register operands and multiplies by x' (W_hat never
   touches memory), then Hn, svh and bias in one kernel. Block shape and split-k from the same table (fused_shape).
-- ``large`` (larger m; off sm_90, e.g. GB10, every m > large_m except up to no_wgmma_small_max_m on large
-  layers, which stay ``small``): the whole weight W = diag(suh)·Hk·W_hat·
+- ``fused_mma`` (without wgmma, e.g. GB10, large_m < m <= no_wgmma_mma_max_m; any arch when forced): x' in fp16 (row-major), then one kernel
+  decodes the trellis into mma.sync A fragments once per 128-token tile and multiplies by x' (W_hat never touches
+  memory), then the same epilogue as ``fused``. Tokens per block (128 or 256) and split-k: fused_mma_shape.
+- ``large`` (larger m: above fused_max_m on sm_90, and on a 48-SM plan there; without wgmma, e.g. GB10, above
+  no_wgmma_mma_max_m): the whole weight W = diag(suh)·Hk·W_hat·
   Hn·diag(svh) made once per call in x's dtype (dequant_w: decode, both Hadamards through the tensor cores, both
   scales), then one dense matmul, torch.mm / torch.addmm with the bias (cuBLAS): no x' pass, no epilogue pass.
 
@@ -57,11 +60,11 @@ class Plan:
     chunks_per_split: int = 0
     m_slice: int = 0
     prep: bool = False
-    block: int = 0  # fused: block shape id (FUSED_BLOCKS)
+    block: int = 0  # fused: block shape id (FUSED_BLOCKS); fused_mma: tokens per block (128 or 256)
     stream_k: bool = False  # fused block 0: stream-K over ``splits`` blocks
 
 
-VARIANTS = ("small", "fused", "large")
+VARIANTS = ("small", "fused", "fused_mma", "large")
 
 
 # Fused kernel block shapes: id -> (columns, tokens, blocks per SM); cuda/exl3_gemm/fused_sm90.cuh. (A 256 x 128
@@ -100,6 +103,30 @@ def fused_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int, bool]:
     return best[1:]
 
 
+# fused_mma tokens per block -> blocks per SM its launch bounds size registers for (on GB10's 100 KB of shared memory
+# per SM: 2, 1, 1).
+MMA_TOKENS = {64: 3, 128: 2, 256: 1}
+
+
+def fused_mma_shape(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
+    """(tokens, splits, chunks_per_split) of the fused_mma kernel: 128 columns x tokens per block; k is split (fp32
+    partials summed by the epilogue) when the blocks would leave SMs idle, into parts of >= 4 64-row chunks. The
+    block whose busiest SM gets the least work wins (``exl3_gemm.mma_tokens`` forces one)."""
+    t = plans.current().exl3_gemm
+    chunks = k // 64
+    best = None
+    for tokens in ((t.mma_tokens,) if t.mma_tokens is not None else tuple(MMA_TOKENS)):
+        per_sm = MMA_TOKENS[tokens]
+        blocks = n // 128 * math.ceil(m / tokens)
+        splits = max(1, min(chunks // 4, sms * per_sm // blocks))
+        cps = math.ceil(chunks / splits)
+        splits = math.ceil(chunks / cps)
+        cost = math.ceil(blocks * splits / (sms * per_sm)) * tokens * cps * t.mma_efficiency[tokens]
+        if best is None or cost < best[0]:
+            best = (cost, tokens, splits, cps)
+    return best[1:]
+
+
 def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None, fused: bool = False) -> Plan:
     """THE variant table: by m (decode vs prefill), device (``fused``: an sm_90 GPU with the sm_90a build) and
     shape (split-k so one launch fills the GPU; the fused kernel's block shape). Its numbers, and a variant forced
@@ -107,10 +134,16 @@ def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None,
     t = plans.current().exl3_gemm
     variant = variant or t.variant
     if not variant:
-        if m <= t.large_m or (not fused and m <= t.no_wgmma_small_max_m and k * n >= t.no_wgmma_small_min_weights):
+        if m <= t.large_m:
+            variant = "small"
+        elif fused:
+            variant = "fused" if m <= t.fused_max_m and sms >= t.fused_min_sms else "large"
+        elif m <= t.no_wgmma_mma_max_m:
+            variant = "fused_mma"
+        elif m <= t.no_wgmma_small_max_m and k * n >= t.no_wgmma_small_min_weights:
             variant = "small"
         else:
-            variant = "fused" if fused and m <= t.fused_max_m and sms >= t.fused_min_sms else "large"
+            variant = "large"
     if variant not in VARIANTS:
         raise ValueError(f"{OP}: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
     if variant == "fused" and not fused:
@@ -119,6 +152,9 @@ def plan(m: int, k: int, n: int, K: float, sms: int, variant: str | None = None,
     if variant == "fused":
         block, splits, cps, stream_k = fused_shape(m, k, n, sms)
         return Plan("fused", splits=splits, chunks_per_split=cps, block=block, stream_k=stream_k)
+    if variant == "fused_mma":
+        tokens, splits, cps = fused_mma_shape(m, k, n, sms)
+        return Plan("fused_mma", splits=splits, chunks_per_split=cps, block=tokens)
     if variant == "large":
         return Plan("large")
     m_slice = min(m, M_SLICE)
@@ -254,6 +290,14 @@ def _run(x, trellis, suh, svh, bias, K: float, codebook: str, out: torch.Tensor)
         C.exl3_gemm_fused(xb.data_ptr(), trellis.data_ptr(), y.data_ptr(), part, flags, m, k, n, int(K), cb,
                           p.block, p.chunks_per_split, p.splits, stream)
         C.exl3_gemm_epilogue(y.data_ptr(), p.splits if partials else 0, svh.data_ptr(),
+                             bias.data_ptr() if bias is not None else 0, m, n, out2.data_ptr(), n, bf16, stream)
+    elif p.variant == "fused_mma":
+        xh = ws.buffer("gemm_xh", m * k)
+        y = ws.buffer("gemm_y", m * n * (2 * p.splits if p.splits > 1 else 1))  # fp32 partials, or y' in fp16
+        C.exl3_gemm_prep_x(x2.data_ptr(), x2.stride(0), bf16, suh.data_ptr(), m, k, xh.data_ptr(), stream)
+        C.exl3_gemm_fused_mma(xh.data_ptr(), trellis.data_ptr(), y.data_ptr(), m, k, n, int(K), cb, p.block,
+                              p.chunks_per_split, p.splits, stream)
+        C.exl3_gemm_epilogue(y.data_ptr(), p.splits if p.splits > 1 else 0, svh.data_ptr(),
                              bias.data_ptr() if bias is not None else 0, m, n, out2.data_ptr(), n, bf16, stream)
     else:
         # W with suh, both Hadamards and svh folded in, in x's dtype: the GEMM is one dense matmul (bias fused)

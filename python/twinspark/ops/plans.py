@@ -138,8 +138,8 @@ class Exl3Gemm:
     """exl3_gemm's variant table (ops/exl3_gemm.py ``plan``, ``fused_shape``); exl3_gemm_grouped asks it too."""
 
     # forcing keys for experiments (None / auto: the table decides)
-    variant: str | None = knob(None, "auto, small, fused or large", "every call on one path (sweeps, tests)",
-                               _auto(_choice("small", "fused", "large")))
+    variant: str | None = knob(None, "auto, small, fused, fused_mma or large", "every call on one path (sweeps, tests)",
+                               _auto(_choice("small", "fused", "fused_mma", "large")))
     prep: bool | None = knob(None, "auto, 0 or 1", "the small kernel's x' prep kernel forced off / on (sweeps)",
                              _auto(_flag))
     block: int | None = knob(None, "auto, 0 or 2", "the fused kernel's block shape forced (exl3_gemm.FUSED_BLOCKS id)",
@@ -147,6 +147,8 @@ class Exl3Gemm:
     sk_blocks: int | None = knob(None, "auto or a block count >= 0",
                                  "stream-K forced on fused block 0 with that many blocks (0: stream-K off)",
                                  _auto(_int(0)))
+    mma_tokens: int | None = knob(None, "auto, 64, 128 or 256", "the fused_mma kernel's tokens per block forced "
+                                  "(sweeps)", _auto(_int_in(64, 128, 256)))
     # the table's thresholds
     large_m: int = knob(64, "a token count >= 1", "m above this leaves the small kernel: fused on sm_90, else large "
                         "(H200 crossover)", _int(1))
@@ -155,10 +157,13 @@ class Exl3Gemm:
     fused_min_sms: int = knob(64, "an SM count >= 1", "the fused kernel only where plans are made for at least this many "
                               "SMs; fewer take the large path (48-SM proxy, m=512, V4.1 shapes: large 1.55x bf16 "
                               "geomean vs fused 1.74x, fused ahead on 2 of 7 shapes by 3-6%; bench_prefill.py)", _int(1))
-    no_wgmma_small_max_m: int = knob(256, "a token count >= 0", "without wgmma (GB10) large layers stay on 64-token "
-                                     "small slices up to this m: the large path's 4kn-byte weight round trip costs "
-                                     "more there (predicted ~2x at m=256, a tie near 512; benchkit's GB10 model)",
-                                     _int(0))
+    no_wgmma_mma_max_m: int = knob(256, "a token count >= 0", "without wgmma (GB10) the fused_mma kernel up to this m, "
+                                   "the large path above (GB10 model from the 48-SM proxy, V4.1 shapes: fused_mma "
+                                   "ahead of large and small on all 7 at m=256, mixed at 512, behind from 2048; "
+                                   "bench_prefill.py); 0: the rule below", _int(0))
+    no_wgmma_small_max_m: int = knob(256, "a token count >= 0", "where fused_mma does not take it: large layers stay on "
+                                     "64-token small slices up to this m (the large path's 4kn-byte weight round trip "
+                                     "costs more there; benchkit's GB10 model)", _int(0))
     no_wgmma_small_min_weights: int = knob(1 << 24, "a weight count >= 0", "... on layers of at least this many "
                                            "weights (the 5.9M-weight layers are faster on the large path)", _int(0))
     blocks_per_sm: Mapping[int, float] = knob(
@@ -172,6 +177,9 @@ class Exl3Gemm:
     fused_efficiency: Mapping[int, float] = knob(
         {0: 1.0, 2: 1.08}, "0:n/2:n (numbers > 0)", "relative cost of a fused block shape's work (2 128x128 blocks "
         "per SM ran ~8% slower than one 128x256 on 5120x12288 and 5120x4096, H200)", _mapping_parser(_number))
+    mma_efficiency: Mapping[int, float] = knob(
+        {64: 1.0, 128: 1.0, 256: 1.0}, "64:n/128:n/256:n (numbers > 0)", "relative cost of a fused_mma block's work by its tokens",
+        _mapping_parser(_number))
     sk_min_tiles: float = knob(0.5, "a number > 0", "stream-K needs at least this many tiles per SM ...", _number)
     sk_max_fill: float = knob(0.85, "a number > 0", "... one tile per block filling less than this of the SMs' time "
                               "(H200 m=256 5120x12288, 96 tiles: 70.9 vs 77.4 us) ...", _number)
