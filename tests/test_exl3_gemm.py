@@ -4,6 +4,7 @@ everywhere (small shapes, seconds), the CUDA kernels on a GPU (marker gpu; the k
 from __future__ import annotations
 
 import threading
+from math import nan
 
 import exl3_spec as spec
 import pytest
@@ -12,6 +13,7 @@ from twinspark.exl3 import reference as ref
 from twinspark.exl3.layer import Exl3Layer, random_layer
 from twinspark.ops import exl3_gemm, plans
 from twinspark.ops.exl3_gemm import FUSED_BLOCKS, M_SLICE, fused_available, plan
+from twinspark.ops.workspace import workspace
 from twinspark.testing import need_cuda, poison_allocator, rel_l2
 
 # Tolerances (relative L2 vs the fp32 reference): the kernels round x' = H(x ⊙ suh) to fp16 (~2^-12 RMS
@@ -288,6 +290,27 @@ def test_fused_mma_token_tiles_and_split_k(tokens, gen, monkeypatch):
     _reference_part(cases)
     cuda = need_cuda()
     for case in cases:
+        _check_case(case, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_large_path_every_rate(dtype, gen, monkeypatch):
+    """The whole-weight path (dequant_w + dense matmul) at every rate and codebook in x's dtype, on shapes whose
+    128 x 128 blocks form odd grids both ways (TMA stores of both 64-column halves at every block position)."""
+    _plan(monkeypatch, "exl3_gemm.variant=large")
+    cases = []
+    for i, (K, codebook) in enumerate(((1, "mul1"), (2, "3inst"), (3, "mcg"), (4, "mul1"), (5, "mul1"), (6, "3inst"),
+                                       (7, "mcg"), (8, "mul1"))):
+        k, n = (384, 640) if i % 2 else (640, 384)
+        cases.append(_draw_case(random_layer(k, n, K, codebook, bias=i % 3 == 0, generator=gen), dtype, (1, 300),
+                                gen, f"large {codebook} K={K} {k}x{n}"))
+    _reference_part(cases)
+    cuda = need_cuda()
+    ws = workspace(cuda)
+    for case in cases:
+        layer = case[0]  # the weight buffer NaN first: a block the stores miss shows (the buffer outlives calls)
+        ws.buffer("gemm_w_bf16" if dtype == torch.bfloat16 else "gemm_w_fp16", layer.k * layer.n, dtype).fill_(nan)
         _check_case(case, cuda)
 
 

@@ -30,6 +30,7 @@
 
 #include "common/arrive.cuh"
 #include "common/pdl.cuh"
+#include "common/tensor_map.h"
 #include "exl3/decode_tile.cuh"
 #include "exl3/hadamard.cuh"
 #include "exl3_gemm/exl3_gemm.h"
@@ -355,20 +356,32 @@ cudaError_t launch_small(const P& p, cudaStream_t stream) {
 //   1. warp w decodes n-tile w's 8 k-tiles (the B operands of mma.m16n8k16, decode_tile.cuh) and applies H8 over
 //      their k-tile index a with fp16 butterflies (3 x 16 HADD2/HSUB2 per lane);
 //   2. per k-tile a: H16 along k as one mma pair with A = diag(suh / 128) · H16 (built once per block in shared
-//      memory), fp32 accumulators; those, packed to fp16, are the A operand of the next product (the C layout of
-//      two n8 halves is the A layout of one k16 step), H16 along n with B = H16;
-//   3. the block's 128 x 128 result goes to shared memory in fp16; each thread then reads one row's 8 n-tiles
-//      (16-byte loads), applies H8 over the n-tile index c, multiplies by svh and writes the values back in place;
-//      the 128 rows leave by the copy engine, one cp.async.bulk of 256 bytes per row.
-// ~15 SASS instructions per weight (the decode ~5, the butterflies 3, mma operand packing, the exchange), against
-// ~24 for the same fold with warp-shuffle Hadamards (DESIGN.md, rejected ideas). Rounding: fp16 butterflies and fp16
-// operands of the second product, ~6.5e-4 relative L2 of W in fp16 (an fp16 rounding alone is ~2e-4); bf16 output
-// adds its own rounding (~1.8e-3 in all).
-constexpr int kDwRow = 136;  // halves per staged row: 68 words, so both the fragment scatter and the row loads
-                             // of one quarter-warp (rows r..r+7) are free of bank conflicts
+//      memory); the fp32 results go to shared memory in fp16 (two 64-column halves of 128-byte rows in the TMA's
+//      128-byte swizzle, dw_off);
+//   3. warp w takes k-tile w's 16 rows of all 8 n-tiles as mma A operands (ldmatrix), applies H8 over the n-tile
+//      index c with fp16 butterflies, then H16 along n and svh in one mma pair per n-tile with
+//      B = H16 · diag(svh of the tile) (per block in shared memory), and packs the fp32 results straight to x's
+//      dtype into the rows it read;
+//   4. the block leaves by two TMA tensor stores (one per half, from one thread).
+// The exchange of step 3 carries W in fp16 once; svh and the bf16 conversion cost no instruction of their own.
+// Rounding: fp16 butterflies and fp16 operands of the second product, ~6.5e-4 relative L2 of W in fp16 (an fp16
+// rounding alone is ~2e-4); bf16 output adds its own rounding (~1.8e-3 in all).
+constexpr int kDwHalf = 128 * 64;  // halves per 64-column half of the staged block (128 rows of 128 bytes)
+
+// Offset (halves) of (row r, column c) of the staged block: half c / 64, 16-byte chunk (c % 64) / 8 stored at chunk
+// ^ (r % 8), the TMA's 128-byte swizzle. The fragment scatters (rows g, chunk fixed) and ldmatrix's phases (8 rows,
+// chunk fixed) both land on 8 distinct chunks of 4 banks: no conflicts.
+__device__ __forceinline__ int dw_off(int r, int c) {
+  return (c >> 6) * kDwHalf + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
+}
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
@@ -381,14 +394,23 @@ __device__ __forceinline__ void butterfly_half2(uint32_t& a, uint32_t& b) {
 // Sylvester H16 entry as an fp16 sign: (-1)^popcount(r & c).
 __device__ __forceinline__ float h16_sign(int r, int c) { return (__popc(r & c) & 1) ? -1.f : 1.f; }
 
-template <int K, int CB>
-__global__ void __launch_bounds__(256, 4)
+// Blocks per SM the registers are sized for: 4 on the H200 (64 registers; shared memory would allow 5), 2 on a GB10,
+// whose 100 KB of shared memory per SM hold only two blocks anyway (128 registers: no spills).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define TWINSPARK_DEQUANT_W_MIN_BLOCKS 2
+#else
+#define TWINSPARK_DEQUANT_W_MIN_BLOCKS 4
+#endif
+
+// BF16: W in bf16, else fp16 (a template argument: as a run-time flag both packs of step 3 were issued, one
+// predicated off, 32 instructions per lane).
+template <int K, int CB, bool BF16>
+__global__ void __launch_bounds__(256, TWINSPARK_DEQUANT_W_MIN_BLOCKS)
     dequant_w_kernel(const int16_t* __restrict__ trellis, const half* __restrict__ suh, const half* __restrict__ svh,
-                     int tiles_k, int tiles_n, bool bf16, void* __restrict__ w) {
-  __shared__ __align__(16) uint4 afrag[8][32];  // per k-tile a: this lane's A registers of diag(suh / 128) · H16
-  __shared__ __align__(16) half stage[128 * kDwRow];
-  __shared__ __align__(16) half svs[128];  // this block's svh, for the stores (a global load right before the
-                                           // scaling stalled on its latency: ncu, DESIGN.md large m)
+                     int tiles_k, int tiles_n, const __grid_constant__ CUtensorMap w_map) {
+  __shared__ __align__(16) uint4 afrag[8][32];   // per k-tile a: this lane's A registers of diag(suh / 128) · H16
+  __shared__ __align__(16) uint2 bfrag[16][32];  // per n-tile c and half e: this lane's B registers of H16 · diag(svh)
+  __shared__ __align__(1024) half stage[2 * kDwHalf];  // the TMA's swizzle needs 1024-byte alignment
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int kb = blockIdx.x, nb = blockIdx.y;
   const exl3::LaneWindow<K> lw(lane);
@@ -399,11 +421,8 @@ __global__ void __launch_bounds__(256, 4)
         reinterpret_cast<const uint32_t*>(trellis + (static_cast<long>(8 * kb + j) * tiles_n + 8 * nb + warp) * 16 * K);
     wd[j][0] = __ldg(tp + lw.w0), wd[j][1] = __ldg(tp + lw.w1), wd[j][2] = lw.kTwoWords ? 0u : __ldg(tp + lw.w2);
   }
-  if (threadIdx.x < 16) {
-    reinterpret_cast<uint4*>(svs)[threadIdx.x] = __ldg(reinterpret_cast<const uint4*>(svh + 128 * nb) + threadIdx.x);
-  }
+  constexpr float kNorm = 1.f / 128.f;  // both orthonormal transforms' 1/sqrt(128)
   {  // thread (warp = a, lane) builds afrag[a][lane]: rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9
-    constexpr float kNorm = 1.f / 128.f;  // both orthonormal transforms' 1/sqrt(128)
     const float s0 = __half2float(suh[128 * kb + 16 * warp + g]) * kNorm;
     const float s1 = __half2float(suh[128 * kb + 16 * warp + g + 8]) * kNorm;
     afrag[warp][lane] = make_uint4(pack_half2(s0 * h16_sign(g, 2 * t), s0 * h16_sign(g, 2 * t + 1)),
@@ -411,11 +430,13 @@ __global__ void __launch_bounds__(256, 4)
                                    pack_half2(s0 * h16_sign(g, 2 * t + 8), s0 * h16_sign(g, 2 * t + 9)),
                                    pack_half2(s1 * h16_sign(g + 8, 2 * t + 8), s1 * h16_sign(g + 8, 2 * t + 9)));
   }
-  uint32_t hb[2][2];  // B = H16 of the n-side product, output columns 8e + g
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    hb[e][0] = pack_half2(h16_sign(2 * t, 8 * e + g), h16_sign(2 * t + 1, 8 * e + g));
-    hb[e][1] = pack_half2(h16_sign(2 * t + 8, 8 * e + g), h16_sign(2 * t + 9, 8 * e + g));
+  for (int e = 0; e < 2; ++e) {  // thread (warp = c, lane) builds bfrag[2c + e][lane]: rows 2t, 2t + 1, 2t + 8,
+                                 // 2t + 9 of column 8e + g, times that column's svh (fp16 products: exact)
+    const float s = __half2float(svh[128 * nb + 16 * warp + 8 * e + g]);
+    const int col = 8 * e + g;
+    bfrag[2 * warp + e][lane] = make_uint2(pack_half2(s * h16_sign(2 * t, col), s * h16_sign(2 * t + 1, col)),
+                                           pack_half2(s * h16_sign(2 * t + 8, col), s * h16_sign(2 * t + 9, col)));
   }
   uint32_t p[8][4];
 #pragma unroll
@@ -429,66 +450,77 @@ __global__ void __launch_bounds__(256, 4)
       for (int q = 0; q < 4; ++q) butterfly_half2(p[j][q], p[j + h][q]);
     }
   }
-  __syncthreads();  // afrag, svs
+  __syncthreads();  // afrag, bfrag
+  // Offsets below are dw_off with the lane's part split off: every row a lane touches is g or g + 8 mod 8 (rows
+  // lane % 8 for ldmatrix), so chunk ^ (row % 8) separates into per-lane terms and compile-time constants.
+  const int g1 = g >> 1, g0 = g & 1;
+  {
+    // k-side results: rows 16a + g (+ 8) of columns 16 warp + 2t (+ 8): chunks 2 (warp % 4) and 2 (warp % 4) + 1
+    const int base = (warp >> 2) * kDwHalf + g * 64 + 16 * ((warp & 3) ^ g1) + 2 * t;
+    half* const k0 = stage + base + 8 * g0;        // columns 16 warp + 2t
+    half* const k1 = stage + base + 8 * (1 ^ g0);  // columns 16 warp + 8 + 2t
 #pragma unroll
-  for (int a = 0; a < 8; ++a) {
-    const uint4 af = afrag[a][lane];
-    const uint32_t a1[4] = {af.x, af.y, af.z, af.w};
-    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_16816(c0, a1, p[a][0], p[a][1]);  // n 0-7 of the tile
-    mma_16816(c1, a1, p[a][2], p[a][3]);  // n 8-15
-    const uint32_t a2[4] = {pack_half2(c0[0], c0[1]), pack_half2(c0[2], c0[3]), pack_half2(c1[0], c1[1]),
-                            pack_half2(c1[2], c1[3])};
-    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_16816(d0, a2, hb[0][0], hb[0][1]);
-    mma_16816(d1, a2, hb[1][0], hb[1][1]);
-    half* row = stage + (16 * a + g) * kDwRow + 16 * warp + 2 * t;
-    *reinterpret_cast<uint32_t*>(row) = pack_half2(d0[0], d0[1]);
-    *reinterpret_cast<uint32_t*>(row + 8) = pack_half2(d1[0], d1[1]);
-    *reinterpret_cast<uint32_t*>(row + 8 * kDwRow) = pack_half2(d0[2], d0[3]);
-    *reinterpret_cast<uint32_t*>(row + 8 * kDwRow + 8) = pack_half2(d1[2], d1[3]);
+    for (int a = 0; a < 8; ++a) {  // H16 along k: rows 16a .. 16a + 15 of n-tile warp, into the stage
+      const uint4 af = afrag[a][lane];
+      const uint32_t a1[4] = {af.x, af.y, af.z, af.w};
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_16816(c0, a1, p[a][0], p[a][1]);  // n 0-7 of the tile
+      mma_16816(c1, a1, p[a][2], p[a][3]);  // n 8-15
+      *reinterpret_cast<uint32_t*>(k0 + 1024 * a) = pack_half2(c0[0], c0[1]);
+      *reinterpret_cast<uint32_t*>(k1 + 1024 * a) = pack_half2(c1[0], c1[1]);
+      *reinterpret_cast<uint32_t*>(k0 + 1024 * a + 512) = pack_half2(c0[2], c0[3]);
+      *reinterpret_cast<uint32_t*>(k1 + 1024 * a + 512) = pack_half2(c1[2], c1[3]);
+    }
   }
   __syncthreads();
-  // Row r of the block, columns 8 hh .. 8 hh + 7 of every n-tile: a quarter-warp reads 8 rows (conflict-free).
-  const int r = 16 * warp + ((lane & 7) | ((lane >> 4) << 3)), hh = (lane >> 3) & 1;
-  uint4 v[8];
+  // Warp w: rows 16w .. 16w + 15 of every n-tile c as A operands (ldmatrix.x4: lanes 0-15 rows, lanes 16-31 the
+  // upper 8 columns), H8 over c, then H16 · diag(svh) per n-tile.
+  uint32_t x[8][4];
+  {
+    const int l7 = lane & 7;
+    const half* const lb = stage + (16 * warp + (lane & 15)) * 64 + 8 * ((lane >> 4) ^ (l7 & 1));
 #pragma unroll
-  for (int c = 0; c < 8; ++c) v[c] = *reinterpret_cast<const uint4*>(stage + r * kDwRow + 16 * c + 8 * hh);
+    for (int c = 0; c < 8; ++c) {
+      const half* q = lb + (c >> 2) * kDwHalf + 16 * ((c & 3) ^ (l7 >> 1));
+      ldmatrix_x4(q, x[c][0], x[c][1], x[c][2], x[c][3]);
+    }
+  }
 #pragma unroll
   for (int h = 1; h < 8; h <<= 1) {  // H8 over the n-tile index
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       if (c & h) continue;
-      butterfly_half2(v[c].x, v[c + h].x), butterfly_half2(v[c].y, v[c + h].y);
-      butterfly_half2(v[c].z, v[c + h].z), butterfly_half2(v[c].w, v[c + h].w);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) butterfly_half2(x[c][q], x[c + h][q]);
     }
   }
+  __syncwarp();  // every lane's rows are read before any lane rewrites them (each warp rewrites only its own rows)
+  half* const ob = stage + (16 * warp + g) * 64 + 2 * t;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
-    const uint4 sv = *reinterpret_cast<const uint4*>(svs + 16 * c + 8 * hh);
-    uint32_t q[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
-    const uint32_t sq[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __half2 y = __hmul2(*reinterpret_cast<const __half2*>(&q[i]), *reinterpret_cast<const __half2*>(&sq[i]));
-      if (bf16) {
-        const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(y));
-        q[i] = *reinterpret_cast<const uint32_t*>(&b);
-      } else {
-        q[i] = *reinterpret_cast<const uint32_t*>(&y);
-      }
+    for (int e = 0; e < 2; ++e) {
+      const uint2 bf = bfrag[2 * c + e][lane];
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_16816(d, x[c], bf.x, bf.y);  // columns 16c + 8e + 2t, + 1 of rows g, g + 8
+      half* const o = ob + (c >> 2) * kDwHalf + 16 * ((c & 3) ^ g1) + 8 * (e ^ g0);
+      *reinterpret_cast<uint32_t*>(o) = BF16 ? pack_bf162(d[0], d[1]) : pack_half2(d[0], d[1]);
+      *reinterpret_cast<uint32_t*>(o + 512) = BF16 ? pack_bf162(d[2], d[3]) : pack_half2(d[2], d[3]);
     }
-    // back in place (each thread rewrites only what it read: no barrier needed before)
-    *reinterpret_cast<uint4*>(stage + r * kDwRow + 16 * c + 8 * hh) = make_uint4(q[0], q[1], q[2], q[3]);
   }
-  // The block's 128 rows of 256 bytes leave by the copy engine (one cp.async.bulk per row): 16-byte stores from the
-  // threads touched 16 lines per warp instruction, 87% of the kernel's L1 tag lookups (ncu, DESIGN.md large m).
+  // The block leaves by two TMA tensor stores from one thread. 16-byte stores from the threads touched 16 L1 lines
+  // per warp instruction (87% of the tag lookups); one cp.async.bulk per 256-byte row cost ~10 instructions each
+  // (the addresses made warp-uniform lane by lane) and a quarter of the stall samples (ncu, DESIGN.md large m).
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes above, visible to the copy engine
   __syncthreads();
-  if (threadIdx.x < 128) {
-    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(stage + threadIdx.x * kDwRow));
-    half* dst = static_cast<half*>(w) + (128L * kb + threadIdx.x) * (16L * tiles_n) + 128 * nb;
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 256;\n" ::"l"(dst), "r"(src) : "memory");
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(stage + h * kDwHalf));
+      asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&w_map),
+                   "r"(128 * nb + 64 * h), "r"(128 * kb), "r"(src)
+                   : "memory");
+    }
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory stays ours until read
   }
@@ -498,9 +530,18 @@ template <int K>
 cudaError_t launch_dequant_w_k(const int16_t* trellis, const void* suh, const void* svh, int tiles_k, int tiles_n,
                                int codebook, bool bf16, void* w, cudaStream_t stream) {
   const dim3 grid(tiles_k / 8, tiles_n / 8);  // k, n multiples of 128 (checked by the caller)
+  CUtensorMap map;
+  const cudaError_t err = tensor_map_b16_swizzle128(&map, w, 16ull * tiles_k, 16ull * tiles_n, 128);
+  if (err != cudaSuccess) return err;
   return exl3::with_codebook(codebook, [&](auto cb) {
-    dequant_w_kernel<K, decltype(cb)::value><<<grid, 256, 0, stream>>>(
-        trellis, static_cast<const half*>(suh), static_cast<const half*>(svh), tiles_k, tiles_n, bf16, w);
+    constexpr int CB = decltype(cb)::value;
+    const auto* h = static_cast<const half*>(suh);
+    const auto* v = static_cast<const half*>(svh);
+    if (bf16) {
+      dequant_w_kernel<K, CB, true><<<grid, 256, 0, stream>>>(trellis, h, v, tiles_k, tiles_n, map);
+    } else {
+      dequant_w_kernel<K, CB, false><<<grid, 256, 0, stream>>>(trellis, h, v, tiles_k, tiles_n, map);
+    }
     return cudaGetLastError();
   });
 }

@@ -155,8 +155,9 @@ class Exl3Gemm:
     fused_max_m: int = knob(512, "a token count >= 1", "fused kernel up to this m, the whole-weight pass + cuBLAS "
                             "above (H200, NOTES.md v5, v8)", _int(1))
     fused_min_sms: int = knob(64, "an SM count >= 1", "the fused kernel only where plans are made for at least this many "
-                              "SMs; fewer take the large path (48-SM proxy, m=512, V4.1 shapes: large 1.55x bf16 "
-                              "geomean vs fused 1.74x, fused ahead on 2 of 7 shapes by 3-6%; bench_prefill.py)", _int(1))
+                              "SMs; fewer take the large path (set on the 48-SM proxy, m=512, V4.1 shapes: large 1.55x bf16 "
+                              "geomean vs fused 1.74x, fused ahead on 2 of 7 shapes by 3-6%; large 1.50x since the "
+                              "TMA-store dequant_w; bench_prefill.py)", _int(1))
     no_wgmma_mma_max_m: int = knob(256, "a token count >= 0", "without wgmma (GB10) the fused_mma kernel up to this m, "
                                    "the large path above (GB10 model from the 48-SM proxy, V4.1 shapes: fused_mma "
                                    "ahead of large and small on all 7 at m=256, mixed at 512, behind from 2048; "
