@@ -107,6 +107,24 @@ def test_moe_prefill_from_results(b, tmp_path):
     assert forecast.moe_prefill_us(None)[0] == pytest.approx(17.0e3 / 1536)
 
 
+@pytest.mark.parametrize("per_token", [0.5, 5.0], ids=["below-the-floor", "above-the-floor"])
+def test_prefill_terms_from_results(b, tmp_path, no_results, per_token):
+    """prefill.json's layer records set the EXL3 prefill terms (x the clock ratio), each at least its GB10 floor: the
+    dense projections at least the large path's model (W round trip per chunk, bf16 matmul at GB10's tensor rate)."""
+    recs = [bk.Record(op="layer", shape={"T": T, "sms": 48}, median_us=T * (40.0 + per_token), variant="after proxy",
+                      notes=f"attention={T * per_token}; routed={T * 40.0}") for T in (2048, 8192)]
+    p = bk.write_results("prefill", recs, tmp_path, machine={"date": "2026-12-04"})
+    r = forecast.forecast(b, chunk=1024, prefill_results=p)
+    clock = 1.98 / 2.4
+    routed, dense = _term(r.prefill, "routed experts"), _term(r.prefill, "dense projections")
+    assert routed.us == pytest.approx(40.0 * clock * 40) and "T=2048" in routed.how
+    floor = forecast.dense_prefill_floor_us(r.model, 1024)
+    w = sum(r.model.params[c] for c in forecast.DENSE_CLASSES)
+    assert floor > 2 * w / float(gb10.GB10_BF16_FLOPS) * 1e6  # the tensor floor and the W round trip
+    assert dense.us == pytest.approx(max(per_token * clock * 40, floor))
+    assert ("GB10's floors" in dense.how) == (per_token * clock * 40 < floor)
+
+
 @pytest.mark.parametrize("text", ["{", "[]", '{"records": [{"shape": {"T": 4}}]}', '{"records": [{"shape": 4, '
                                   '"median_us": 1}]}', '{"machine": 3, "records": []}'])
 def test_a_file_that_is_not_bench_results_is_one_sentence(b, tmp_path, text):

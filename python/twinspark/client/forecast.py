@@ -16,8 +16,9 @@ Decode, one step (T = k + 1 tokens: the target verifies the draft), per rank:
   proxy of bench/results/decode_step.json through gb10.kernel_us, else 273 GB/s x gb10.BW_EFFICIENCY).
   tok/s = tokens per step / step time.
 Prefill, per token at a context length: the routed experts (compute-bound: µs per token per layer of the kernel),
-  the dense projections (exl3_gemm's large path on GB10, gb10.large_gemm_us per chunk), the attention (vLLM's,
-  calibrated on seed A's 8k prefill), one Engram layer's rows from NVMe (the other overlaps), all-reduces per chunk.
+  the dense projections (exl3_gemm's large path on GB10, gb10.large_gemm_us per chunk; twinspark: the 48-SM proxy's
+  layer records of bench/results/prefill.json where they are above that model), the attention (vLLM's, calibrated on
+  seed A's 8k prefill), one Engram layer's rows from NVMe (the other overlaps), all-reduces per chunk.
 """
 
 from __future__ import annotations
@@ -372,22 +373,39 @@ def decode_terms(m: Model, kn: Kernels, *, k: int, context: int, attention_us: f
     return t
 
 
+DENSE_CLASSES = ("attention", "compressor + indexer", "shared", "engram wkv")
+
+
+def dense_prefill_floor_us(m: Model, chunk: int) -> float:
+    """µs per prompt token of every dense EXL3 projection on GB10 by its floors, the large path's model: W made once per
+    `chunk`-token chunk (trellis read, bf16 W written at GB10's bandwidth), then a bf16 matmul at GB10's bandwidth or
+    tensor rate, whichever is slower. The 48-SM proxy hides both: its HBM takes the W round trip and its SMs do ~3x
+    GB10's assumed tensor work per clock (gb10.tc_ratio)."""
+    dense_w = sum(m.params[c] for c in DENSE_CLASSES)
+    dense_b = sum(m.nbytes[c] for c in DENSE_CLASSES)
+    # every dense matrix at once: large_gemm_us is linear in the weights (k x n = all of them, trellis = all)
+    return (gb10.large_gemm_us(1, int(dense_w), chunk, dense_b, 0, 0)["us"] - 2 * float(gb10.LAUNCH_US)) / chunk
+
+
 def prefill_terms(m: Model, kn: Kernels, *, context: int, chunk: int, attention_us: float) -> list[gb10.Term]:
     """µs per prompt token at a prompt of `context` tokens in chunks of `chunk`, per rank. With measured prefill rates
-    (prefill.json) the EXL3 terms are those of the smallest measured T at least `chunk` (else the largest)."""
+    (prefill.json) the EXL3 terms are those of the smallest measured T at least `chunk` (else the largest), each at
+    least its GB10 floor (the routed experts' tensor-core floor, the dense projections' dense_prefill_floor_us), as
+    gb10.kernel_us takes the largest floor."""
+    floor = dense_prefill_floor_us(m, chunk)
+    floor_how = (f"W made once per {chunk}-token chunk, then a bf16 matmul "
+                 f"({float(gb10.GB10_BF16_FLOPS) / 1e12:.0f} TFLOP/s)")
     if kn.prefill_rates:
         T = min((T for T in kn.prefill_rates if T >= chunk), default=max(kn.prefill_rates))
         routed, dense = kn.prefill_rates[T]
+        measured = dense * m.layers
+        dense_how = (f"{kn.prefill_how}, T={T}" if measured >= floor else
+                     f"GB10's floors: {floor_how}; the proxy's {measured:.1f} µs (T={T}) is below them")
         t = [gb10.Term("routed experts", routed * m.layers, 0, f"{kn.prefill_how}, T={T}"),
-             gb10.Term("dense projections", dense * m.layers, 0, f"{kn.prefill_how}, T={T}")]
+             gb10.Term("dense projections", max(measured, floor), 0, dense_how)]
     else:
-        t = [gb10.Term("routed experts", kn.moe_prefill_us * m.layers, 0, kn.moe_prefill_how)]
-        dense_w = sum(m.params[c] for c in ("attention", "compressor + indexer", "shared", "engram wkv"))
-        dense_b = sum(m.nbytes[c] for c in ("attention", "compressor + indexer", "shared", "engram wkv"))
-        # every dense matrix at once: large_gemm_us is linear in the weights (k x n = all of them, trellis = all)
-        per_chunk = gb10.large_gemm_us(1, int(dense_w), chunk, dense_b, 0, 0)["us"] - 2 * float(gb10.LAUNCH_US)
-        t.append(gb10.Term("dense projections", per_chunk / chunk, 0, f"W made once per {chunk}-token chunk, then a "
-                           f"bf16 matmul ({float(gb10.GB10_BF16_FLOPS) / 1e12:.0f} TFLOP/s)"))
+        t = [gb10.Term("routed experts", kn.moe_prefill_us * m.layers, 0, kn.moe_prefill_how),
+             gb10.Term("dense projections", floor, 0, floor_how)]
     t.append(gb10.Term(f"attention at {context:,} (vLLM)", attention_us, 0, "calibrated"))
     t.append(gb10.Term("Engram rows (NVMe)", m.engram_rows / float(gb10.ENGRAM_IOPS) * 1e6, 0,
                        f"{m.engram_rows} rows of one layer per token at {float(gb10.ENGRAM_IOPS) / 1e3:.0f}k IOPS; "
