@@ -368,12 +368,11 @@ cudaError_t launch_small(const P& p, cudaStream_t stream) {
 // rounding alone is ~2e-4); bf16 output adds its own rounding (~1.8e-3 in all).
 constexpr int kDwHalf = 128 * 64;  // halves per 64-column half of the staged block (128 rows of 128 bytes)
 
-// Offset (halves) of (row r, column c) of the staged block: half c / 64, 16-byte chunk (c % 64) / 8 stored at chunk
-// ^ (r % 8), the TMA's 128-byte swizzle. The fragment scatters (rows g, chunk fixed) and ldmatrix's phases (8 rows,
-// chunk fixed) both land on 8 distinct chunks of 4 banks: no conflicts.
-__device__ __forceinline__ int dw_off(int r, int c) {
-  return (c >> 6) * kDwHalf + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
-}
+// The staged block's layout, dw_off: (row r, column c) at offset (halves)
+//   (c / 64) * kDwHalf + 64 r + 8 (((c / 8) % 8) ^ (r % 8)) + c % 8,
+// i.e. half c / 64, its 16-byte chunk (c % 64) / 8 stored at chunk ^ (r % 8), the TMA's 128-byte swizzle. The fragment
+// scatters (rows g, chunk fixed) and ldmatrix's phases (8 rows, chunk fixed) both land on 8 distinct chunks of 4
+// banks: no conflicts.
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
@@ -395,7 +394,7 @@ __device__ __forceinline__ void butterfly_half2(uint32_t& a, uint32_t& b) {
 __device__ __forceinline__ float h16_sign(int r, int c) { return (__popc(r & c) & 1) ? -1.f : 1.f; }
 
 // Blocks per SM the registers are sized for: 4 on the H200 (64 registers; shared memory would allow 5), 2 on a GB10,
-// whose 100 KB of shared memory per SM hold only two blocks anyway (128 registers: no spills).
+// whose 100 KB of shared memory per SM hold only two blocks anyway (up to 128 registers: 84-85 used, no spills).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 #define TWINSPARK_DEQUANT_W_MIN_BLOCKS 2
 #else
