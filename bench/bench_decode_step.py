@@ -205,7 +205,6 @@ def _experts(op: Op, spec: V41Spec, dev, gen):
 def write_pack(path: Path, gib: float, seed: int = 0):
     """A pack file of random valid rows (fp8 e4m3 without NaN codes, E8M0 scales near 2^0): PackHeader + rows."""
     import numpy as np
-
     from twinspark.engram.pack import PackHeader
     from twinspark.engram.source import RECORD_BYTES, WEIGHT_BYTES
 
@@ -410,7 +409,6 @@ def copy_gbps_on(stream: torch.cuda.Stream, dev, nbytes: int = 1 << 30) -> float
     torch.cuda.synchronize(dev)
     g = capture([lambda: dst.copy_(src)], stream)
     t = time_graph(g, stream, iters=9)
-    del g, src, dst
     return bk.gbps(nbytes, t.median_us)
 
 
@@ -432,9 +430,9 @@ def groups_for(ops: list[Op], T: int, steps: tuple[int, ...]) -> list[tuple[str,
     """(label, selector) of what is timed at T: the step (T in steps), each class, each EXL3 projection."""
     out = [("step", None)] if T in steps else []
     present = sorted({o.cls for o in ops}, key=CLASSES.index)
-    out += [(f"class:{c}", (lambda c: lambda o: o.cls == c)(c)) for c in present]
+    out += [(f"class:{c}", lambda o, c=c: o.cls == c) for c in present]
     names = sorted({(o.cls, o.name) for o in ops if o.kind == "gemm"})
-    out += [(f"op:{c}/{n}", (lambda c, n: lambda o: o.cls == c and o.name == n)(c, n)) for c, n in names]
+    out += [(f"op:{c}/{n}", lambda o, c=c, n=n: o.cls == c and o.name == n) for c, n in names]
     return out
 
 
@@ -607,7 +605,7 @@ def plot(records: list[bk.Record], png: Path) -> Path:
                 bars.append((f"T={T} {dict(h200='H200 132 SMs', proxy='H200 48 SMs', gb10='GB10 est.')[mode]}", per))
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(bars) + 2))
     colors = plt.get_cmap("tab10")
-    for y, (label, per) in enumerate(bars):
+    for y, (_, per) in enumerate(bars):
         left = 0.0
         for j, c in enumerate(CLASSES):
             v = per.get(c, 0.0) / 1e3

@@ -54,8 +54,8 @@ void bind_exl3_gemm(py::module_& m) {
          std::uintptr_t ws, std::uintptr_t counters, int mats, int m, int k, int n, int K, int codebook, int groups,
          int chunks_per_split, int splits, bool bf16, std::uintptr_t stream, std::uintptr_t xh) {
         twinspark::Exl3GemmGroupedArgs g{};
-        g.a = small_args(x, x_stride, trellis, suh, svh, bias, out, out_stride, ws, counters, m, k, n,
-                         chunks_per_split, splits, bf16, xh);
+        g.a = small_args(x, x_stride, trellis, suh, svh, bias, out, out_stride, ws, counters, m, k, n, chunks_per_split,
+                         splits, bf16, xh);
         g.mats = mats;
         g.x_gstride = x_gstride;
         g.out_gstride = out_gstride;
@@ -64,10 +64,9 @@ void bind_exl3_gemm(py::module_& m) {
       },
       py::arg("x"), py::arg("x_stride"), py::arg("x_gstride"), py::arg("trellis"), py::arg("suh"), py::arg("svh"),
       py::arg("bias"), py::arg("out"), py::arg("out_stride"), py::arg("out_gstride"), py::arg("ws"),
-      py::arg("counters"), py::arg("mats"), py::arg("m"), py::arg("k"), py::arg("n"), py::arg("K"),
-      py::arg("codebook"), py::arg("groups"), py::arg("chunks_per_split"), py::arg("splits"), py::arg("bf16"),
-      py::arg("stream"), py::arg("xh") = 0,
-      "mats small-m EXL3 GEMMs of one shape in one launch (exl3_gemm.h: Exl3GemmGroupedArgs)");
+      py::arg("counters"), py::arg("mats"), py::arg("m"), py::arg("k"), py::arg("n"), py::arg("K"), py::arg("codebook"),
+      py::arg("groups"), py::arg("chunks_per_split"), py::arg("splits"), py::arg("bf16"), py::arg("stream"),
+      py::arg("xh") = 0, "mats small-m EXL3 GEMMs of one shape in one launch (exl3_gemm.h: Exl3GemmGroupedArgs)");
   m.def(
       "exl3_gemm_capture_id",
       [](std::uintptr_t stream) {

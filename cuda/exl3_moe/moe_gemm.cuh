@@ -6,8 +6,9 @@
 //   down (DOWN = true): block (item, 128 output columns of down). A = the pair's gate/up sums: output Hadamard,
 //     svh, SiLU(gate) * up (clamped), suh of down, input Hadamard, fp16 (16-row items: made once per item by the
 //     last gate/up block of each 128 columns of I, finish_act, and copied from p.act; 64-row items: made by
-//     prep_a_kernel and copied, or with prep_a off built by every block). Output: Hadamard, svh, times the pair's routing weight, fp32 atomics into out32 [T, H]; with
-//     fuse_convert the last block of each 128 columns writes them to `out` in x's dtype.
+//     prep_a_kernel and copied, or with prep_a off built by every block). Output: Hadamard, svh, times the pair's
+//     routing weight, fp32 atomics into out32 [T, H]; with fuse_convert the last block of each 128 columns writes them
+//     to `out` in x's dtype.
 //
 // An item is up to 16*MT rows (routed pairs) of one expert; warp w owns output tile column w and decodes its 8
 // tiles per 128-deep k-block (one Hadamard block) into registers with the GEMM's decoder (exl3/decode_tile.cuh).
@@ -22,8 +23,8 @@
 //   at K = 8.
 // - MT = 4 (prefill, 64-row items): A and the tiles of the next k-block are staged while this one is multiplied
 //   (double buffers); the tile is the mma B operand against 4 groups of 16 rows. A (x' for gate/up, the activations
-//   for down) is made once per pair by prep_a_kernel and copied with cp.async (prep_a), or built by every block. 2 * 64 * 136 fp16 +
-//   2 * 64 tiles * max_words int16 = 67 KB at K = 8.
+//   for down) is made once per pair by prep_a_kernel and copied with cp.async (prep_a), or built by every block.
+//   2 * 64 * 136 fp16 + 2 * 64 tiles * max_words int16 = 67 KB at K = 8.
 // All <= 99 KB (GB10).
 #pragma once
 #include <cuda_bf16.h>
@@ -248,8 +249,7 @@ __device__ __forceinline__ void act_values(const GemmParams& p, int pair, int e,
     for (int j = 0; j < kRound; ++j) {
       const bool in = s0 + j < parts;  // L2 loads: other blocks of the running grid wrote them (finish_act)
       g4[j] = in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part)) : make_float4(0.f, 0.f, 0.f, 0.f);
-      u4[j] =
-          in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part + p.I)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      u4[j] = in ? __ldcg(reinterpret_cast<const float4*>(g + (s0 + j) * part + p.I)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int j = 0; j < kRound; ++j) {
@@ -846,7 +846,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, char* smem, const
       }
       mma_kblock<CB, MT, KA, HALF>(tbuf + (i & 1) * 64 * kW, abuf + (i & 1) * kRows * kAStride, rcnt, acc);
       if constexpr (!COPY) {
-        if (i + 1 < nkb) produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0 + i + 1, abuf + ((i + 1) & 1) * kRows * kAStride);
+        if (i + 1 < nkb)
+          produce_a<DOWN, MT>(p, rows, rcnt, e, mat, kb0 + i + 1, abuf + ((i + 1) & 1) * kRows * kAStride);
       }
     }
   }
@@ -921,7 +922,7 @@ __device__ __forceinline__ void dispatch_rate(const GemmParams& p, char* smem, c
                                                                     tr);
     return;
   }
-#define TS_MOE_RATE(KA, HALF)                                                                         \
+#define TS_MOE_RATE(KA, HALF)                                                                               \
   case 16 * KA + (HALF ? 8 : 0):                                                       \
     gemm_body<CB, MT, DOWN, false, KA, HALF, COPY>(p, smem, rows, e, rcnt, mat, slice, part, kb0, kb1, tr); \
     break;
