@@ -125,8 +125,8 @@ __device__ __forceinline__ void suh4(const Exl3GemmSmallArgs& a, int mat, int cc
 // makes rows w, w + 8, ... (Tried: issuing chunk c+1's loads before chunk c's decode; measured slower on the H200
 // at every m, with 125 registers at 8 groups: DESIGN.md, rejected ideas.)
 template <int G>
-__device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int mat, long x_off, int c, half* xs,
-                                             int warp, int lane) {
+__device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int mat, long x_off, int c, half* xs, int warp,
+                                             int lane) {
   float s[4];
   suh4(a, mat, c, lane, s);
 #pragma unroll
@@ -140,8 +140,8 @@ __device__ __forceinline__ void make_x_chunk(const Exl3GemmSmallArgs& a, int mat
 // xs + w * m * kXRowRaw (m rows per chunk, row stride kXRowRaw), duplicated (exl3::store_x4_dup) for the raw
 // decode, else plain. The ldmatrix addresses of tokens >= m repeat row m - 1 (their outputs are never stored).
 template <bool RAW>
-__device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int mat, long x_off, int c, int n,
-                                              half* xs, int warp, int lane) {
+__device__ __forceinline__ void make_x_chunks(const Exl3GemmSmallArgs& a, int mat, long x_off, int c, int n, half* xs,
+                                              int warp, int lane) {
   if (warp >= n) return;
   half* xw = xs + warp * a.m * kXRowRaw;
   float s[4];
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(K, G)) small_m_kernel(con
   // H200 because each lane then hits its own sector: DESIGN.md, rejected ideas.)
   const int col = strip * 128 + warp * 16 + (lane >> 2);
   float* const ws = a.ws + static_cast<long>(mat) * 64 * a.n;  // this matrix's [64, n] slice
-  const int counter = mat * (a.n >> 7) + strip;  // in counters [mats, n / 128]
+  const int counter = mat * (a.n >> 7) + strip;                // in counters [mats, n / 128]
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const int t = 8 * g + 2 * (lane & 3);
@@ -401,76 +401,10 @@ __device__ __forceinline__ float h16_sign(int r, int c) { return (__popc(r & c) 
 #define TWINSPARK_DEQUANT_W_MIN_BLOCKS 4
 #endif
 
-// BF16: W in bf16, else fp16 (a template argument: as a run-time flag both packs of step 3 were issued, one
-// predicated off, 32 instructions per lane).
-template <int K, int CB, bool BF16>
-__global__ void __launch_bounds__(256, TWINSPARK_DEQUANT_W_MIN_BLOCKS)
-    dequant_w_kernel(const int16_t* __restrict__ trellis, const half* __restrict__ suh, const half* __restrict__ svh,
-                     int tiles_k, int tiles_n, const __grid_constant__ CUtensorMap w_map) {
-  __shared__ __align__(16) uint4 afrag[8][32];   // per k-tile a: this lane's A registers of diag(suh / 128) · H16
-  __shared__ __align__(16) uint2 bfrag[16][32];  // per n-tile c and half e: this lane's B registers of H16 · diag(svh)
-  __shared__ __align__(1024) half stage[2 * kDwHalf];  // the TMA's swizzle needs 1024-byte alignment
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int kb = blockIdx.x, nb = blockIdx.y;
-  const exl3::LaneWindow<K> lw(lane);
-  uint32_t wd[8][3];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t* tp =
-        reinterpret_cast<const uint32_t*>(trellis + (static_cast<long>(8 * kb + j) * tiles_n + 8 * nb + warp) * 16 * K);
-    wd[j][0] = __ldg(tp + lw.w0), wd[j][1] = __ldg(tp + lw.w1), wd[j][2] = lw.kTwoWords ? 0u : __ldg(tp + lw.w2);
-  }
-  constexpr float kNorm = 1.f / 128.f;  // both orthonormal transforms' 1/sqrt(128)
-  {  // thread (warp = a, lane) builds afrag[a][lane]: rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9
-    const float s0 = __half2float(suh[128 * kb + 16 * warp + g]) * kNorm;
-    const float s1 = __half2float(suh[128 * kb + 16 * warp + g + 8]) * kNorm;
-    afrag[warp][lane] = make_uint4(pack_half2(s0 * h16_sign(g, 2 * t), s0 * h16_sign(g, 2 * t + 1)),
-                                   pack_half2(s1 * h16_sign(g + 8, 2 * t), s1 * h16_sign(g + 8, 2 * t + 1)),
-                                   pack_half2(s0 * h16_sign(g, 2 * t + 8), s0 * h16_sign(g, 2 * t + 9)),
-                                   pack_half2(s1 * h16_sign(g + 8, 2 * t + 8), s1 * h16_sign(g + 8, 2 * t + 9)));
-  }
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {  // thread (warp = c, lane) builds bfrag[2c + e][lane]: rows 2t, 2t + 1, 2t + 8,
-                                 // 2t + 9 of column 8e + g, times that column's svh (fp16 products: exact)
-    const float s = __half2float(svh[128 * nb + 16 * warp + 8 * e + g]);
-    const int col = 8 * e + g;
-    bfrag[2 * warp + e][lane] = make_uint2(pack_half2(s * h16_sign(2 * t, col), s * h16_sign(2 * t + 1, col)),
-                                           pack_half2(s * h16_sign(2 * t + 8, col), s * h16_sign(2 * t + 9, col)));
-  }
-  uint32_t p[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) exl3::decode_lane_words<K, CB>(wd[j][0], wd[j][1], wd[j][2], lw, p[j]);
-#pragma unroll
-  for (int h = 1; h < 8; h <<= 1) {  // H8 over the k-tile index
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (j & h) continue;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) butterfly_half2(p[j][q], p[j + h][q]);
-    }
-  }
-  __syncthreads();  // afrag, bfrag
-  // Offsets below are dw_off with the lane's part split off: every row a lane touches is g or g + 8 mod 8 (rows
-  // lane % 8 for ldmatrix), so chunk ^ (row % 8) separates into per-lane terms and compile-time constants.
-  const int g1 = g >> 1, g0 = g & 1;
-  {
-    // k-side results: rows 16a + g (+ 8) of columns 16 warp + 2t (+ 8): chunks 2 (warp % 4) and 2 (warp % 4) + 1
-    const int base = (warp >> 2) * kDwHalf + g * 64 + 16 * ((warp & 3) ^ g1) + 2 * t;
-    half* const k0 = stage + base + 8 * g0;        // columns 16 warp + 2t
-    half* const k1 = stage + base + 8 * (1 ^ g0);  // columns 16 warp + 8 + 2t
-#pragma unroll
-    for (int a = 0; a < 8; ++a) {  // H16 along k: rows 16a .. 16a + 15 of n-tile warp, into the stage
-      const uint4 af = afrag[a][lane];
-      const uint32_t a1[4] = {af.x, af.y, af.z, af.w};
-      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_16816(c0, a1, p[a][0], p[a][1]);  // n 0-7 of the tile
-      mma_16816(c1, a1, p[a][2], p[a][3]);  // n 8-15
-      *reinterpret_cast<uint32_t*>(k0 + 1024 * a) = pack_half2(c0[0], c0[1]);
-      *reinterpret_cast<uint32_t*>(k1 + 1024 * a) = pack_half2(c1[0], c1[1]);
-      *reinterpret_cast<uint32_t*>(k0 + 1024 * a + 512) = pack_half2(c0[2], c0[3]);
-      *reinterpret_cast<uint32_t*>(k1 + 1024 * a + 512) = pack_half2(c1[2], c1[3]);
-    }
-  }
+// Step 3 of dequant_w for warp `warp`, after the block's k-side results are staged (it starts with the barrier).
+template <bool BF16>
+__device__ __forceinline__ void dw_n_side(half* stage, const uint2 (&bfrag)[16][32], int lane, int warp) {
+  const int g = lane >> 2, t = lane & 3, g1 = g >> 1, g0 = g & 1;
   __syncthreads();
   // Warp w: rows 16w .. 16w + 15 of every n-tile c as A operands (ldmatrix.x4: lanes 0-15 rows, lanes 16-31 the
   // upper 8 columns), H8 over c, then H16 · diag(svh) per n-tile.
@@ -507,6 +441,96 @@ __global__ void __launch_bounds__(256, TWINSPARK_DEQUANT_W_MIN_BLOCKS)
       *reinterpret_cast<uint32_t*>(o + 512) = BF16 ? pack_bf162(d[2], d[3]) : pack_half2(d[2], d[3]);
     }
   }
+}
+
+// What dequant_w does of its work. The package builds kAll only; the other two exist for
+// scripts/probe_dequant_w.py, which times the parts to bound the large path (DESIGN.md, large m): kKSide stops after
+// step 2 with the k-side results in x's dtype, scaled by 1/sqrt(128) (y = Hn-and-svh of x @ that); kDecode stores the
+// decoded registers as they are (no transform: a floor for any whole-weight decode, not a usable W).
+enum class DwParts { kAll, kKSide, kDecode };
+
+// BF16: W in bf16, else fp16 (a template argument: as a run-time flag both packs of step 3 were issued, one
+// predicated off, 32 instructions per lane).
+template <int K, int CB, bool BF16, DwParts kParts = DwParts::kAll>
+__global__ void __launch_bounds__(256, TWINSPARK_DEQUANT_W_MIN_BLOCKS)
+    dequant_w_kernel(const int16_t* __restrict__ trellis, const half* __restrict__ suh, const half* __restrict__ svh,
+                     int tiles_k, int tiles_n, const __grid_constant__ CUtensorMap w_map) {
+  __shared__ __align__(16) uint4 afrag[8][32];   // per k-tile a: this lane's A registers of diag(suh / 128) · H16
+  __shared__ __align__(16) uint2 bfrag[16][32];  // per n-tile c and half e: this lane's B registers of H16 · diag(svh)
+  __shared__ __align__(1024) half stage[2 * kDwHalf];  // the TMA's swizzle needs 1024-byte alignment
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int kb = blockIdx.x, nb = blockIdx.y;
+  const exl3::LaneWindow<K> lw(lane);
+  uint32_t wd[8][3];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t* tp =
+        reinterpret_cast<const uint32_t*>(trellis + (static_cast<long>(8 * kb + j) * tiles_n + 8 * nb + warp) * 16 * K);
+    wd[j][0] = __ldg(tp + lw.w0), wd[j][1] = __ldg(tp + lw.w1), wd[j][2] = lw.kTwoWords ? 0u : __ldg(tp + lw.w2);
+  }
+  // both orthonormal transforms' 1/sqrt(128); kKSide: one
+  constexpr float kNorm = kParts == DwParts::kKSide ? 0.08838834764831845f : 1.f / 128.f;
+  {  // thread (warp = a, lane) builds afrag[a][lane]: rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9
+    const float s0 = __half2float(suh[128 * kb + 16 * warp + g]) * kNorm;
+    const float s1 = __half2float(suh[128 * kb + 16 * warp + g + 8]) * kNorm;
+    afrag[warp][lane] = make_uint4(pack_half2(s0 * h16_sign(g, 2 * t), s0 * h16_sign(g, 2 * t + 1)),
+                                   pack_half2(s1 * h16_sign(g + 8, 2 * t), s1 * h16_sign(g + 8, 2 * t + 1)),
+                                   pack_half2(s0 * h16_sign(g, 2 * t + 8), s0 * h16_sign(g, 2 * t + 9)),
+                                   pack_half2(s1 * h16_sign(g + 8, 2 * t + 8), s1 * h16_sign(g + 8, 2 * t + 9)));
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {  // thread (warp = c, lane) builds bfrag[2c + e][lane]: rows 2t, 2t + 1, 2t + 8,
+                                 // 2t + 9 of column 8e + g, times that column's svh (fp16 products: exact)
+    const float s = __half2float(svh[128 * nb + 16 * warp + 8 * e + g]);
+    const int col = 8 * e + g;
+    bfrag[2 * warp + e][lane] = make_uint2(pack_half2(s * h16_sign(2 * t, col), s * h16_sign(2 * t + 1, col)),
+                                           pack_half2(s * h16_sign(2 * t + 8, col), s * h16_sign(2 * t + 9, col)));
+  }
+  uint32_t p[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) exl3::decode_lane_words<K, CB>(wd[j][0], wd[j][1], wd[j][2], lw, p[j]);
+#pragma unroll
+  for (int h = 1; h < (kParts == DwParts::kDecode ? 1 : 8); h <<= 1) {  // H8 over the k-tile index
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j & h) continue;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) butterfly_half2(p[j][q], p[j + h][q]);
+    }
+  }
+  __syncthreads();  // afrag, bfrag
+  // Offsets below are dw_off with the lane's part split off: every row a lane touches is g or g + 8 mod 8 (rows
+  // lane % 8 for ldmatrix), so chunk ^ (row % 8) separates into per-lane terms and compile-time constants.
+  const int g1 = g >> 1, g0 = g & 1;
+  {
+    // k-side results: rows 16a + g (+ 8) of columns 16 warp + 2t (+ 8): chunks 2 (warp % 4) and 2 (warp % 4) + 1
+    const int base = (warp >> 2) * kDwHalf + g * 64 + 16 * ((warp & 3) ^ g1) + 2 * t;
+    half* const k0 = stage + base + 8 * g0;        // columns 16 warp + 2t
+    half* const k1 = stage + base + 8 * (1 ^ g0);  // columns 16 warp + 8 + 2t
+#pragma unroll
+    for (int a = 0; a < 8; ++a) {  // H16 along k: rows 16a .. 16a + 15 of n-tile warp, into the stage
+      if constexpr (kParts == DwParts::kDecode) {
+        *reinterpret_cast<uint32_t*>(k0 + 1024 * a) = p[a][0];
+        *reinterpret_cast<uint32_t*>(k1 + 1024 * a) = p[a][1];
+        *reinterpret_cast<uint32_t*>(k0 + 1024 * a + 512) = p[a][2];
+        *reinterpret_cast<uint32_t*>(k1 + 1024 * a + 512) = p[a][3];
+        continue;
+      }
+      const uint4 af = afrag[a][lane];
+      const uint32_t a1[4] = {af.x, af.y, af.z, af.w};
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_16816(c0, a1, p[a][0], p[a][1]);                          // n 0-7 of the tile
+      mma_16816(c1, a1, p[a][2], p[a][3]);                          // n 8-15
+      constexpr bool kOutBf16 = kParts == DwParts::kKSide && BF16;  // else fp16 for step 3
+      *reinterpret_cast<uint32_t*>(k0 + 1024 * a) = kOutBf16 ? pack_bf162(c0[0], c0[1]) : pack_half2(c0[0], c0[1]);
+      *reinterpret_cast<uint32_t*>(k1 + 1024 * a) = kOutBf16 ? pack_bf162(c1[0], c1[1]) : pack_half2(c1[0], c1[1]);
+      *reinterpret_cast<uint32_t*>(k0 + 1024 * a + 512) =
+          kOutBf16 ? pack_bf162(c0[2], c0[3]) : pack_half2(c0[2], c0[3]);
+      *reinterpret_cast<uint32_t*>(k1 + 1024 * a + 512) =
+          kOutBf16 ? pack_bf162(c1[2], c1[3]) : pack_half2(c1[2], c1[3]);
+    }
+  }
+  if constexpr (kParts == DwParts::kAll) dw_n_side<BF16>(stage, bfrag, lane, warp);
   // The block leaves by two TMA tensor stores from one thread. 16-byte stores from the threads touched 16 L1 lines
   // per warp instruction (87% of the tag lookups); one cp.async.bulk per 256-byte row cost ~10 instructions each
   // (the addresses made warp-uniform lane by lane) and a quarter of the stall samples (ncu, DESIGN.md large m).
@@ -525,7 +549,7 @@ __global__ void __launch_bounds__(256, TWINSPARK_DEQUANT_W_MIN_BLOCKS)
   }
 }
 
-template <int K>
+template <int K, DwParts kParts = DwParts::kAll>
 cudaError_t launch_dequant_w_k(const int16_t* trellis, const void* suh, const void* svh, int tiles_k, int tiles_n,
                                int codebook, bool bf16, void* w, cudaStream_t stream) {
   const dim3 grid(tiles_k / 8, tiles_n / 8);  // k, n multiples of 128 (checked by the caller)
@@ -537,9 +561,9 @@ cudaError_t launch_dequant_w_k(const int16_t* trellis, const void* suh, const vo
     const auto* h = static_cast<const half*>(suh);
     const auto* v = static_cast<const half*>(svh);
     if (bf16) {
-      dequant_w_kernel<K, CB, true><<<grid, 256, 0, stream>>>(trellis, h, v, tiles_k, tiles_n, map);
+      dequant_w_kernel<K, CB, true, kParts><<<grid, 256, 0, stream>>>(trellis, h, v, tiles_k, tiles_n, map);
     } else {
-      dequant_w_kernel<K, CB, false><<<grid, 256, 0, stream>>>(trellis, h, v, tiles_k, tiles_n, map);
+      dequant_w_kernel<K, CB, false, kParts><<<grid, 256, 0, stream>>>(trellis, h, v, tiles_k, tiles_n, map);
     }
     return cudaGetLastError();
   });
