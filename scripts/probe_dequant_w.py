@@ -9,8 +9,9 @@ attention and shared-expert shapes (K = 5, mul1, bf16), L2-cold, on a green cont
 - ``decode``: the trellis decode and the store alone, no transform: a floor for any whole-weight decode;
 and prints, derived from those times (not timed themselves): ``free exchange`` = decode + 2 (k_side - decode), both
 transforms at the cost of the one that needs no exchange between warps; and per m the large path's ratio to dense
-with dequant_w at that cost, or at decode alone (the measured large path less the difference). Its kernels are the package's template with steps switched off
-(small_m.cuh, DwParts), built here by torch's extension loader: a device-session tool, not a package benchmark.
+with dequant_w at that cost, or at decode alone (the measured large path less the difference). Its kernels are the
+package's template with steps switched off (small_m.cuh, DwParts), built here by torch's extension loader: a
+device-session tool, not a package benchmark.
 
     python scripts/probe_dequant_w.py [--sms 48] [--m 512,1024]
 
