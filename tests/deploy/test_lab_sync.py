@@ -104,6 +104,14 @@ def test_zfs_full_then_incremental_and_fallback(lab, tmp_path):
     assert r2.returncode == 0 and "incremental from @twinspark-" in r2.stdout, r2.stdout + r2.stderr
     # The worker sees the data through its own zfs-fuse mount (inside the worker's mount namespace).
     assert lab.ssh(f"cat {wdir}/config.json").stdout == '{"a": 2}'
+    # A worker dataset found unmounted (zfs-fuse once left one so after a receive: the rank saw an empty MODEL_DIR)
+    # is mounted again by the sync, before it returns.
+    lab.ssh(f"zfs unmount {wp}/models")
+    assert lab.ssh(f"zfs get -H -o value mounted {wp}/models").stdout.strip() == "no"
+    (head_dir / "config.json").write_text('{"a": 3}')
+    r2b = invoke("sync", flags)
+    assert r2b.returncode == 0, r2b.stdout + r2b.stderr
+    assert lab.ssh(f"cat {wdir}/config.json").stdout == '{"a": 3}'
     # Without the dataset: a clear notice and the rsync fallback.
     r3 = invoke("sync", {**flags, "ZFS_DATASET": f"{hp}/nope", "WORKER_MODEL_DIR": str(tmp_path / "fb")})
     assert r3.returncode == 0, r3.stderr

@@ -22,6 +22,7 @@ from twinspark.deploy.sync.rsync import RsyncSync
 
 PREFIX = "twinspark-"
 KEEP = 2
+MOUNT_WAIT_S = 30.0  # how long the worker's dataset may take to show up mounted at MODEL_DIR after the receive
 
 
 def _written(pid: int) -> int | None:
@@ -124,9 +125,36 @@ class ZfsSync:
             raise DeployError(f"zfs send/recv to the worker failed ({err}); check the link and the worker's pool, "
                               "then re-run (the send restarts).")
         mp = str(self.s.worker_dir)
-        self.worker.run(f"zfs set mountpoint={shlex.quote(mp)} {shlex.quote(self.wds)}", check=False)
+        r = self.worker.run(f"zfs set mountpoint={shlex.quote(mp)} {shlex.quote(self.wds)}", check=False)
+        if r.returncode:
+            raise DeployError(f"The worker's {self.wds} was received but cannot be mounted at {mp} "
+                              f"({(r.stderr.strip().splitlines() or ['zfs set failed'])[-1]}); choose an absolute "
+                              "WORKER_MODEL_DIR that zfs may mount there and deploy again.")
+        self._wait_mounted(mp)
         self._prune()
         return f"zfs: sent {self.ds}@{snap} to the worker's {self.wds} ({mode})"
+
+    def _wait_mounted(self, mp: str) -> None:
+        """Return once the worker's dataset is mounted at mp. zfs-fuse (re)mounts in its daemon after `zfs recv` and
+        `zfs set mountpoint` have returned, and once left a received dataset unmounted: the worker rank started next
+        found an empty MODEL_DIR and exited. `mounted` is read from the mount table (libzfs), as the rank will see it;
+        a dataset zfs calls unmounted is mounted again."""
+        q = shlex.quote
+        end = time.monotonic() + MOUNT_WAIT_S
+        state = ["", ""]
+        while True:
+            r = self.worker.run(f"zfs get -H -o value mounted,mountpoint {q(self.wds)}", changes=False, check=False)
+            state = (r.stdout.split() + ["", ""])[:2]
+            if state == ["yes", mp]:
+                return
+            if time.monotonic() > end:
+                break
+            if state[0] == "no" and state[1] == mp:
+                self.worker.run(f"zfs mount {q(self.wds)}", check=False)
+            time.sleep(0.25)
+        raise DeployError(f"The worker's {self.wds} is not mounted at {mp} {MOUNT_WAIT_S:.0f} s after the receive "
+                          f"(mounted={state[0] or '?'}, mountpoint={state[1] or '?'}); mount it there (zfs set "
+                          f"mountpoint={mp} {self.wds}; zfs mount {self.wds}) and deploy again.")
 
     def _send(self, send: str, recv: str, total: int | None) -> str | None:
         """zfs send | ssh worker zfs recv with a progress bar; None on success, else the last error line."""
