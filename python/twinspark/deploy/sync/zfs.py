@@ -141,10 +141,9 @@ class ZfsSync:
         a dataset zfs calls unmounted is mounted again."""
         q = shlex.quote
         end = time.monotonic() + MOUNT_WAIT_S
-        state = ["", ""]
         while True:
             r = self.worker.run(f"zfs get -H -o value mounted,mountpoint {q(self.wds)}", changes=False, check=False)
-            state = (r.stdout.split() + ["", ""])[:2]
+            state = ([x.strip() for x in r.stdout.splitlines()] + ["", ""])[:2]  # one value per line
             if state == ["yes", mp]:
                 return
             if time.monotonic() > end:
